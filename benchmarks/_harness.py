@@ -1,0 +1,457 @@
+"""Generic GPU benchmark harness: timing, copy bandwidth, run metadata, result files.
+
+Operator-agnostic on purpose: each operator family (norms, activations, rope, ...) has its own
+``bench_<family>.py`` that builds callables and a bytes model, and uses only what is here.
+
+Timing rules (see README.md):
+
+* ``time_graph`` captures ``n`` back-to-back calls in one ``torch.cuda.CUDAGraph`` and times whole
+  replays with CUDA events; per-call time = replay time / n, median over repeats. This is the
+  number that matters inside vLLM-style graph-captured decoding.
+* ``time_eager`` times a Python loop of ``n`` calls with a host clock, synchronising before and
+  after the loop (what a Python user sees), and in the same loop the host-only issue time (clock
+  read before the closing synchronise).
+* Never a wall clock around one launch.
+
+Every timing function also accepts a list of callables: call ``i`` then runs ``fns[i % len(fns)]``,
+which is how the L2-cold mode rotates through distinct buffers (``l2_cold_sets`` says how many).
+With ``device="cpu"`` the timers fall back to a wall clock (smoke tests of the code path only).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import functools
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = [
+    "RunLog", "time_graph", "time_eager", "time_case", "copy_bandwidth", "l2_cold_sets",
+    "l2_bytes", "Provider", "NotAvailable", "provider_passes", "bind_schema", "compare_bits",
+    "exactness", "sweep", "env_metadata", "git_commit", "write_results", "flatten", "csv_list",
+]
+
+DEFAULT_L2_BYTES = 60 * 1024 * 1024  # H200 L2 is 60 MB (used when the device does not report one)
+UNITS = {"graph_us": "µs per call, CUDA-graph replay of back-to-back calls, median of repeats",
+         "eager_us": "µs per call of a Python loop, synchronised before and after the loop",
+         "host_us": "µs per call to issue the calls (clock read before the closing sync)",
+         "GBps": "1e9 B/s = bytes model / graph_us", "pct_copy": "100 * GBps / copy_GBps",
+         "exact": "per output: fraction of bytes equal to the reference's (same fresh inputs)"}
+
+
+class RunLog:
+    """Prints a line (through tqdm.write when a bar is active) and keeps it for the JSON."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def __call__(self, msg: str) -> None:
+        self.lines.append(msg)
+        try:
+            from tqdm import tqdm
+            tqdm.write(msg)
+        except ImportError:  # pragma: no cover
+            print(msg, flush=True)
+
+
+def _as_list(fn) -> list[Callable]:
+    return list(fn) if isinstance(fn, (list, tuple)) else [fn]
+
+
+def _is_cpu(device) -> bool:
+    return torch.device(device).type == "cpu"
+
+
+def _round_up(n: int, k: int) -> int:
+    return max(k, math.ceil(n / k) * k)
+
+
+def _summary(samples_us: Sequence[float]) -> dict:
+    return {"us": statistics.median(samples_us), "us_min": min(samples_us),
+            "us_max": max(samples_us), "samples": len(samples_us)}
+
+
+def _capture(fns: list[Callable], n: int) -> "torch.cuda.CUDAGraph":
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):  # captures on torch's own side stream
+        for i in range(n):
+            fns[i % len(fns)]()
+    return g
+
+
+def _replay_us(g: "torch.cuda.CUDAGraph", repeats: int) -> list[float]:
+    """Times `repeats` back-to-back replays (GPU never idles between them); µs per replay."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(repeats)]
+    for start, end in events:
+        start.record()
+        g.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) * 1e3 for start, end in events]
+
+
+def time_graph(fn, n: int | None = None, *, target_ms: float = 2.0, repeats: int = 15,
+               n_min: int = 8, n_max: int = 4096, warmup: int = 3, device="cuda") -> dict:
+    """Per-call GPU time of ``fn`` from CUDA-graph replays.
+
+    ``n=None`` picks n adaptively: a first graph of 16 calls gives an estimate, then n is chosen
+    so that one replay takes about ``target_ms`` (clamped to [n_min, n_max]). With a list of
+    callables n is rounded up to a multiple of its length, so every buffer set is used equally.
+    Returns {"us" (median), "us_min", "us_max", "samples", "n", "method"}.
+    """
+    fns = _as_list(fn)
+    if _is_cpu(device):
+        return _time_wallclock(fns, n or n_min, repeats, warmup)
+    # Warm up (and let lazy compilers/allocators settle) on a side stream, as torch recommends.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(max(warmup, 1)):
+            fns[i % len(fns)]()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    if n is None:
+        g = _capture(fns, 16)
+        g.replay()
+        est_us = statistics.median(_replay_us(g, 3)) / 16
+        del g
+        n = int(min(max(target_ms * 1e3 / max(est_us, 1e-3), n_min), n_max))
+    n = _round_up(n, len(fns))
+    g = _capture(fns, n)
+    g.replay()  # first replay uploads the graph; not timed
+    torch.cuda.synchronize()
+    samples = [us / n for us in _replay_us(g, repeats)]
+    del g
+    return {**_summary(samples), "n": n, "method": "cuda-graph"}
+
+
+def time_eager(fn, n: int, *, repeats: int = 15, warmup: int = 3, device="cuda") -> dict:
+    """Per-call time of a Python loop of n calls: {"us": host+GPU (synchronised on both ends),
+    "host_us": time to issue the calls (clock read before the closing synchronise), ...}.
+
+    host_us is the host-side cost only while the GPU is not the bottleneck (tiny shapes).
+    """
+    fns = _as_list(fn)
+    n = _round_up(max(n, 1), len(fns))
+    seq = [fns[i % len(fns)] for i in range(n)]
+    sync = (lambda: None) if _is_cpu(device) else torch.cuda.synchronize
+    for f in seq[:max(warmup, 1)]:
+        f()
+    sync()
+    total, host = [], []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter_ns()
+        for f in seq:
+            f()
+        t1 = time.perf_counter_ns()
+        sync()
+        t2 = time.perf_counter_ns()
+        host.append((t1 - t0) / n / 1e3)
+        total.append((t2 - t0) / n / 1e3)
+    return {**_summary(total), "host_us": statistics.median(host), "n": n,
+            "method": "host-clock"}
+
+
+def _time_wallclock(fns: list[Callable], n: int, repeats: int, warmup: int) -> dict:
+    """CPU stand-in for time_graph (smoke tests only: the numbers mean nothing)."""
+    n = _round_up(n, len(fns))
+    for i in range(warmup):
+        fns[i % len(fns)]()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        for i in range(n):
+            fns[i % len(fns)]()
+        samples.append((time.perf_counter_ns() - t0) / n / 1e3)
+    return {**_summary(samples), "n": n, "method": "cpu-wallclock"}
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, *, repeats: int = 15, device="cuda") -> dict:
+    """Achievable HBM bandwidth with an SM kernel: ``torch.mul(a, 2.0, out=b)`` on ``nbytes`` of
+    bf16, graph-replayed; bytes moved = read + write = 2 * nbytes.
+
+    (``b.copy_(a)`` inside a graph becomes a copy-engine memcpy node, which is much slower than
+    SM kernels on Hopper, so it would understate the roofline.)
+    """
+    if _is_cpu(device):
+        nbytes = min(nbytes, 64 << 20)
+    a = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
+    b = torch.empty_like(a)
+    t = time_graph(functools.partial(torch.mul, a, 2.0, out=b), 10, repeats=repeats,
+                   device=device)
+    del a, b
+    if not _is_cpu(device):
+        torch.cuda.empty_cache()
+    return {"GBps": 2 * nbytes / (t["us"] * 1e-6) / 1e9, "bytes_per_call": 2 * nbytes,
+            "us": t["us"], "us_min": t["us_min"], "method": t["method"],
+            "kernel": "torch.mul(a, 2.0, out=b) bf16"}
+
+
+def l2_bytes(device="cuda") -> int:
+    if _is_cpu(device):
+        return DEFAULT_L2_BYTES
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+               or DEFAULT_L2_BYTES)
+
+
+def l2_cold_sets(bytes_per_call: int, l2: int = DEFAULT_L2_BYTES, factor: float = 2.0,
+                 max_sets: int = 8192) -> int:
+    """Number of distinct buffer sets whose round-robin working set exceeds factor * L2."""
+    return int(min(max(1, math.ceil(factor * l2 / max(bytes_per_call, 1))), max_sets))
+
+
+def time_case(make_call: Callable[[int], Callable], nbytes: int, *, l2_cold: bool = False,
+              l2: int = DEFAULT_L2_BYTES, target_ms: float = 2.0, repeats: int = 15,
+              device="cuda") -> dict:
+    """Graph and eager timing of one case. ``make_call(i)`` builds the bare callable on buffer
+    set ``i`` (fresh inputs); L2-cold mode makes enough sets to exceed 2x L2 and rotates them.
+    ``nbytes`` is the bytes model of one call; the result carries the effective bandwidth."""
+    k = l2_cold_sets(nbytes, l2) if l2_cold else 1
+    calls = [make_call(i) for i in range(k)]
+    g = time_graph(calls, target_ms=target_ms, repeats=repeats, device=device)
+    e = time_eager(calls, g["n"], repeats=repeats, device=device)
+    return {"l2_sets": k, "graph_us": g["us"], "graph_us_min": g["us_min"], "graph_n": g["n"],
+            "eager_us": e["us"], "host_us": e["host_us"], "eager_n": e["n"],
+            "timer": g["method"], "GBps": nbytes / (g["us"] * 1e-6) / 1e9}
+
+
+# ---------------------------------------------------------------- providers, binding, exactness
+class NotAvailable(Exception):
+    """The provider has no such op: the row is 'n/a', not an error."""
+
+
+class Provider:
+    """A family's implementations subclass this. ``skip`` (set by setup) skips every case of the
+    provider with that reason; ``unsupported(case)`` marks single cases n/a; ``error_status`` is
+    the status of a case whose call raised ("error"; "skip" for e.g. compiler failures)."""
+    name = ""
+    skip: str | None = None
+    error_status = "error"
+
+    def setup(self, args, log) -> str | None:  # -> reason to skip the whole provider
+        return None
+
+    def unsupported(self, case: dict) -> str | None:
+        return None
+
+
+def provider_passes(names: Sequence[str], order: str) -> list[tuple[str, list[str]]]:
+    """"forward", "reverse" or "both": the provider orders the sweep runs, in sequence."""
+    fwd, rev = ("forward", list(names)), ("reverse", list(reversed(names)))
+    return {"forward": [fwd], "reverse": [rev], "both": [fwd, rev]}[order]
+
+
+def bind_schema(schema, values: dict, required: Sequence[str], aliases: dict):
+    """(args, kwargs, description) for a torch op, built from the schema's argument NAMES
+    (``aliases``: schema name -> candidate keys of ``values``, first present wins), so a
+    differing argument order cannot silently swap tensors. Unmatched optional arguments get
+    their default or None; a required key that no argument consumes raises."""
+    args, kwargs, used, desc = [], {}, set(), []
+    for a in schema.arguments:
+        key = next((k for k in aliases.get(a.name, (a.name,)) if k in values), None)
+        if key is not None:
+            val = values[key]
+            used.add(key)
+        elif a.has_default_value():
+            val, key = a.default_value, "default"
+        elif isinstance(a.type, torch.OptionalType):
+            val, key = None, "None"
+        else:
+            raise TypeError(f"cannot bind argument {a.name!r} of {schema}")
+        if a.kwarg_only:
+            kwargs[a.name] = val
+        else:
+            args.append(val)
+        desc.append(f"{a.name}<-{key}")
+    missing = set(required) - used
+    if missing:
+        raise TypeError(f"schema {schema} takes no argument for {sorted(missing)}")
+    return args, kwargs, ", ".join(desc)
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def compare_bits(got: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Fractions of equal bytes and of bit-identical elements, and the max |difference|."""
+    if got.dtype != ref.dtype or got.numel() != ref.numel():
+        return {"bytes": 0.0, "elems": 0.0, "max_abs_diff": None,
+                "note": f"got {got.dtype}{list(got.shape)}, ref {ref.dtype}{list(ref.shape)}"}
+    a, b = got.detach().contiguous().reshape(-1), ref.detach().contiguous().reshape(-1)
+    if a.numel() == 0:
+        return {"bytes": 1.0, "elems": 1.0, "max_abs_diff": 0.0}
+    as_int = _INT_OF_SIZE[a.element_size()]
+    nbytes = a.numel() * a.element_size()
+    return {"bytes": (a.view(torch.uint8) == b.view(torch.uint8)).sum().item() / nbytes,
+            "elems": (a.view(as_int) == b.view(as_int)).sum().item() / a.numel(),
+            "max_abs_diff": (a.float() - b.float()).abs().max().item()}
+
+
+def exactness(got: dict, ref: dict) -> dict:
+    """Row fields comparing each output tensor (by role name) with the reference's."""
+    cmp = {k: compare_bits(got[k], ref[k]) for k in ref}
+    return {"exact": {k: c["bytes"] for k, c in cmp.items()},
+            "exact_elems": {k: c["elems"] for k, c in cmp.items()},
+            "max_abs_diff": {k: c["max_abs_diff"] for k, c in cmp.items()},
+            "exact_min": min(c["bytes"] for c in cmp.values())}
+
+
+def sweep(cases: list[dict], passes, provs: dict, *, measure, outputs=None, ref=None,
+          log=print, checkpoint=lambda: None, rows: list | None = None) -> list[dict]:
+    """Runs each pass (provider order) over every case and provider; one row each.
+
+    ``measure(prov, case, pass_index)`` -> timing fields; ``outputs(prov, case)`` -> {role:
+    tensor} from one call on fresh inputs (same seed for every provider). When ``ref`` is given,
+    each provider's outputs are compared with ref's once (first pass) and the fields reused.
+    A failing case becomes a row with a status and reason; the sweep goes on. ``checkpoint()``
+    runs after each case (all providers), so a killed run keeps what it finished.
+    """
+    from tqdm import tqdm
+    rows = [] if rows is None else rows
+    exact_cache: dict = {}
+    bar = tqdm(total=len(passes) * len(cases) * len(provs), unit="case", dynamic_ncols=True,
+               mininterval=0.5 if os.isatty(2) else 10.0)
+    for pass_i, (pass_name, order) in enumerate(passes):
+        for case in cases:
+            ref_out = None
+            for pos, name in enumerate(order):
+                prov = provs[name]
+                bar.set_description(f"{pass_name} {name} " + " ".join(
+                    str(v) for k, v in case.items() if k in ("op", "num_tokens")), refresh=False)
+                row = {**case, "provider": name, "pass": pass_name, "position": pos,
+                       "status": "ok", "reason": ""}
+                key = (json.dumps(case, sort_keys=True, default=str), name)
+                try:
+                    if prov.unsupported(case):
+                        raise NotAvailable(prov.unsupported(case))
+                    if prov.skip:
+                        row.update(status="skip", reason=prov.skip)
+                    else:
+                        if ref is not None and key not in exact_cache:
+                            if ref_out is None:
+                                try:
+                                    ref_out = outputs(ref, case)
+                                except Exception as e:  # noqa: BLE001
+                                    ref_out = f"reference {ref.name} failed: {e!r}"[:500]
+                            exact_cache[key] = (exactness(outputs(prov, case), ref_out)
+                                                if isinstance(ref_out, dict)
+                                                else {"exact_note": ref_out})
+                        row.update(measure(prov, case, pass_i), **exact_cache.get(key, {}))
+                except NotAvailable as e:
+                    row.update(status="n/a", reason=str(e))
+                except Exception as e:  # noqa: BLE001 - one failing case must not end the run
+                    row.update(status=prov.error_status, reason=f"{type(e).__name__}: {e}"[:2000])
+                    log(f"[{row['status']}] {name} {case}: {row['reason'][:300]}")
+                rows.append(row)
+                bar.update()
+            del ref_out
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            checkpoint()
+    bar.close()
+    return rows
+
+
+def csv_list(kind=str, choices=None):
+    """argparse type: "a,b,c" -> [kind(a), ...], distinct, each in choices (if given)."""
+    import argparse
+
+    def parse(text):
+        items = [kind(v.strip()) for v in text.split(",") if v.strip()]
+        bad = [v for v in items if choices is not None and v not in choices]
+        if bad or not items or len(set(items)) != len(items):
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: want distinct items" + (f" from {list(choices)}" if choices else ""))
+        return items
+    return parse
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def git_commit(path: str | os.PathLike = ".") -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=path, capture_output=True,
+                             text=True, timeout=10)
+        commit = out.stdout.strip() if out.returncode == 0 else None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=path, capture_output=True, text=True, timeout=10)
+        if commit and dirty.stdout.strip():
+            commit += "-dirty"
+        return commit
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def env_metadata(device="cuda", packages: Sequence[str] = ()) -> dict:
+    """GPU, library versions, date, git commit: what a result file must say about its run."""
+    pkgs = ["torch", "numba", "numba-cuda", "numpy", "triton", *packages]
+    meta = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "versions": {p: _version(p) for p in dict.fromkeys(pkgs)},
+        "torch_cuda": torch.version.cuda,
+        "git_commit": git_commit(Path(__file__).resolve().parent),
+        "device": str(device),
+    }
+    if not _is_cpu(device) and torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(device)
+        meta.update(gpu=p.name, gpu_sm_count=p.multi_processor_count,
+                    gpu_memory_bytes=p.total_memory, gpu_l2_bytes=l2_bytes(device),
+                    gpu_capability=f"{p.major}.{p.minor}")
+    else:
+        meta["gpu"] = None
+    return meta
+
+
+def flatten(row: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists become JSON strings (for CSV)."""
+    out = {}
+    for k, v in row.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        elif isinstance(v, (list, tuple)):
+            out[key] = json.dumps(v)
+        else:
+            out[key] = v
+    return out
+
+
+def write_results(out_dir, stem: str, meta: dict, rows: list[dict]) -> tuple[Path, Path]:
+    """Writes ``<stem>.json`` ({"meta", "results"}) and ``<stem>.csv`` (flattened rows)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, csv_path = out_dir / f"{stem}.json", out_dir / f"{stem}.csv"
+    tmp = json_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"meta": meta, "results": rows}, indent=1, default=str) + "\n")
+    tmp.replace(json_path)
+    flat = [flatten(r) for r in rows]
+    fields = list(dict.fromkeys(k for r in flat for k in r))
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, restval="")
+        w.writeheader()
+        w.writerows(flat)
+    return json_path, csv_path
+
+
+def timestamp() -> str:
+    return _dt.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -1,0 +1,259 @@
+"""Markdown summary table and plots from benchmark result JSON files.
+
+    python3 benchmarks/summarize.py                      # newest benchmarks/results/norm_*.json
+    python3 benchmarks/summarize.py FILE.json [FILE2.json ...] [--out-dir DIR] [--no-plots]
+
+Several files are merged (e.g. one run per op, or a warm and an L2-cold run): rows of the same
+(op, shape, dtype, L2 mode, provider) are pooled. Each number is the median over the passes
+(forward and reversed provider order); "spread" is (max - min) / median of the pass medians,
+a check that the order did not matter. Writes SUMMARY.md and PNG plots into --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+PROVIDER_ORDER = ["loomnb", "vllm", "torch_compile", "liger", "torch"]
+SUBJECT = "loomnb"
+
+
+def newest(results_dir: Path, pattern: str) -> Path:
+    files = sorted(Path(results_dir).glob(pattern))  # names start with a sortable timestamp
+    if not files:
+        sys.exit(f"no {pattern} in {results_dir}: run bench_norm.py first (or --dry-run)")
+    return files[-1]
+
+
+def load(paths) -> tuple[list[tuple[Path, dict]], list[dict]]:
+    metas, rows = [], []
+    for p in paths:
+        d = json.loads(Path(p).read_text())
+        metas.append((Path(p), d["meta"]))
+        for r in d["results"]:
+            rows.append({**r, "_copy_GBps": d["meta"].get("copy_GBps")})
+    return metas, rows
+
+
+def _median(vals):
+    vals = [v for v in vals if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def aggregate(rows: list[dict]) -> dict:
+    """(op, l2, dtype, hidden, num_tokens, provider) -> medians over passes, or status/reason."""
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["op"], r.get("l2", "warm"), r["dtype"], r["hidden_size"], r["num_tokens"],
+                r["provider"])].append(r)
+    out = {}
+    for key, rs in groups.items():
+        ok = [r for r in rs if r.get("status") == "ok" and r.get("graph_us")]
+        if not ok:
+            out[key] = {"status": rs[-1].get("status"), "reason": rs[-1].get("reason", "")}
+            continue
+        g = [r["graph_us"] for r in ok]
+        graph_us = statistics.median(g)
+        copy = _median(r["_copy_GBps"] for r in ok)
+        gbps = ok[0]["bytes"] / (graph_us * 1e-6) / 1e9
+        exact = next((r["exact"] for r in ok if r.get("exact")), None)
+        out[key] = {"status": "ok", "graph_us": graph_us, "GBps": gbps,
+                    "pct_copy": 100 * gbps / copy if copy else None,
+                    "eager_us": _median(r.get("eager_us") for r in ok),
+                    "host_us": _median(r.get("host_us") for r in ok),
+                    "spread": (max(g) - min(g)) / graph_us if len(g) > 1 else None,
+                    "passes": len(ok), "exact": exact,
+                    "exact_note": next((r["exact_note"] for r in ok if r.get("exact_note")), None)}
+    return out
+
+
+def _fmt(v, spec=".2f", none="—"):
+    return none if v is None else format(v, spec)
+
+
+def _cell(text, n=80) -> str:
+    """Text safe inside a markdown table cell."""
+    return " ".join(str(text).split())[:n].replace("|", "\\|")
+
+
+def _pct(f):
+    if f is None:
+        return "—"
+    return "100%" if f == 1.0 else f"{100 * f:.3f}%"
+
+
+def _providers(agg, sel):
+    present = {k[5] for k in agg if k[:4] == sel}
+    return [p for p in PROVIDER_ORDER if p in present] + sorted(present - set(PROVIDER_ORDER))
+
+
+def op_section(agg: dict, sel: tuple, plots: list[str]) -> list[str]:
+    op, l2, dtype, h = sel
+    provs = _providers(agg, sel)
+    nts = sorted({k[4] for k in agg if k[:4] == sel})
+    outputs = next((list(v["exact"]) for k, v in agg.items()
+                    if k[:4] == sel and v.get("exact")), [])
+    lines = [f"### {op} — hidden {h}, {dtype}, L2 {l2}", ""]
+    lines += [f"| num_tokens | provider | graph µs | eager µs | GB/s | % copy bw | byte-exact vs "
+              f"ref ({' / '.join(outputs) or 'n/a'}) | pass spread % |",
+              "|---:|---|---:|---:|---:|---:|---|---:|"]
+    for nt in nts:
+        for p in provs:
+            a = agg.get(sel + (nt, p))
+            if a is None:
+                continue
+            if a["status"] != "ok":
+                lines.append(f"| {nt} | {p} | {a['status']} | | | | {_cell(a['reason'])} | |")
+                continue
+            spread = None if a["spread"] is None else 100 * a["spread"]
+            ex = (" / ".join(_pct(a["exact"].get(o)) for o in outputs) if a["exact"]
+                  else _cell(a["exact_note"] or "—", 60))
+            lines.append(f"| {nt} | {p} | {_fmt(a['graph_us'])} | {_fmt(a['eager_us'])} | "
+                         f"{_fmt(a['GBps'], '.0f')} | {_fmt(a['pct_copy'], '.1f')} | {ex} | "
+                         f"{_fmt(spread, '.1f')} |")
+    peers = [p for p in provs if p != SUBJECT]
+    if SUBJECT in provs and peers:
+        lines += ["", f"{SUBJECT} speedup = peer graph µs / {SUBJECT} graph µs "
+                  "(**bold** where below 1.00, i.e. the peer is faster):", "",
+                  "| num_tokens | " + " | ".join(peers) + " |",
+                  "|---:|" + "---:|" * len(peers)]
+        for nt in nts:
+            cells = []
+            for p in peers:
+                r = ratio(agg, sel + (nt,), p)
+                cells.append("—" if r is None else (f"**{r:.2f}**" if r < 1 else f"{r:.2f}"))
+            lines.append(f"| {nt} | " + " | ".join(cells) + " |")
+    small = nts[0] if nts else None
+    lines += ["", f"Eager (Python loop) at num_tokens={small}: host µs is the time to issue one "
+              "call; if it is close to eager µs the host, not the GPU, is the bottleneck.", "",
+              "| provider | eager µs | host µs | graph µs |", "|---|---:|---:|---:|"]
+    for p in provs:
+        a = agg.get(sel + (small, p))
+        if a and a["status"] == "ok":
+            lines.append(f"| {p} | {_fmt(a['eager_us'])} | {_fmt(a['host_us'])} | "
+                         f"{_fmt(a['graph_us'])} |")
+    lines += [""] + [f"![{Path(pl).stem}]({Path(pl).name})" for pl in plots] + [""]
+    return lines
+
+
+def ratio(agg, key5, peer):
+    a, b = agg.get(key5 + (SUBJECT,)), agg.get(key5 + (peer,))
+    if a and b and a["status"] == b["status"] == "ok":
+        return b["graph_us"] / a["graph_us"]
+    return None
+
+
+def plot(agg: dict, sel: tuple, out_dir: Path, copy_gbps) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401
+    op, l2, dtype, h = sel
+    provs = _providers(agg, sel)
+    nts = sorted({k[4] for k in agg if k[:4] == sel})
+    stem = f"norm_{op}_h{h}_{dtype}_{l2}"
+    files = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for p in provs:
+        pts = [(nt, agg[sel + (nt, p)]["GBps"]) for nt in nts
+               if agg.get(sel + (nt, p), {}).get("status") == "ok"]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=p, lw=2.5 if p == SUBJECT else 1.5)
+    if copy_gbps:
+        ax.axhline(copy_gbps, ls="--", color="gray", label=f"copy bw {copy_gbps:.0f} GB/s")
+    ax.set(xscale="log", yscale="log", xlabel="num_tokens",
+           ylabel="effective GB/s (bytes model / graph time)",
+           title=f"{op}\nhidden {h}, {dtype}, L2 {l2}")
+    ax.set_xticks(nts, [str(n) for n in nts])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    files.append(out_dir / f"{stem}_bandwidth.png")
+    fig.tight_layout()
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+    peers = [p for p in provs if p != SUBJECT]
+    if any(ratio(agg, sel + (nt,), p) is not None for nt in nts for p in peers):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for p in peers:
+            pts = [(nt, r) for nt in nts if (r := ratio(agg, sel + (nt,), p)) is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"vs {p}")
+        ax.axhline(1.0, ls="--", color="gray")
+        ax.set(xscale="log", yscale="log", xlabel="num_tokens",
+               ylabel=f"{SUBJECT} speedup (peer µs / {SUBJECT} µs)",
+               title=f"{op}: {SUBJECT} vs peers\nhidden {h}, {dtype}, L2 {l2}")
+        ax.set_xticks(nts, [str(n) for n in nts])
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+        files.append(out_dir / f"{stem}_ratio.png")
+        fig.tight_layout()
+        fig.savefig(files[-1], dpi=110)
+        plt.close(fig)
+    return [str(f) for f in files]
+
+
+def header(metas) -> list[str]:
+    lines = ["# Benchmark summary", ""]
+    for path, m in metas:
+        if m.get("dry_run"):
+            lines += ["> **DRY RUN — every number below is FAKE** (plumbing test, no GPU).", ""]
+        if m.get("incomplete"):
+            lines += [f"> **INCOMPLETE run** ({path.name}): {m['incomplete']}", ""]
+        v = m.get("versions", {})
+        cb = m.get("copy_bandwidth", {})
+        lines += [f"- `{path.name}`: {m.get('gpu') or m.get('device')}, {m.get('date')}, "
+                  f"commit `{m.get('git_commit')}`, L2 {m.get('l2')}, exactness reference "
+                  f"{m.get('exact_ref')}",
+                  f"  - copy bandwidth (torch.mul bf16, graph): {_fmt(m.get('copy_GBps'), '.0f')}"
+                  f" GB/s (start {_fmt(cb.get('GBps'), '.0f')}, end "
+                  f"{_fmt(m.get('copy_bandwidth_end', {}).get('GBps'), '.0f')})",
+                  "  - versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
+                  f"  - flags: `{json.dumps(m.get('flags', {}))}`"]
+        vl = m.get("vllm")
+        if vl:
+            lines += [f"  - vLLM ops from `{vl.get('lib')}`; schemas and bindings:"]
+            lines += [f"    - `{s}`" for s in vl.get("schemas", {}).values()]
+            lines += [f"    - {op}: `{b}`" for op, b in vl.get("bindings", {}).items()]
+        skips = {(n, p["skip"]) for n, p in m.get("providers", {}).items() if p.get("skip")}
+        lines += [f"  - provider **{n}** skipped: {why}" for n, why in sorted(skips)]
+    lines += ["", "graph µs: per call, CUDA-graph replay of back-to-back calls (median over "
+              "repeats, then over provider-order passes). eager µs: per call of a Python loop, "
+              "synchronised at both ends. GB/s: bytes model / graph µs. % copy bw: of the "
+              "measured torch.mul bandwidth. byte-exact: fraction of output bytes equal to the "
+              "reference's on the same fresh inputs.", ""]
+    return lines
+
+
+def main(argv=None) -> Path:
+    ap = argparse.ArgumentParser(description="Summarise benchmark JSON into SUMMARY.md + plots")
+    ap.add_argument("files", nargs="*", type=Path, help="result JSON files (default: newest)")
+    ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    ap.add_argument("--pattern", default="norm_*.json", help="for picking the newest file")
+    ap.add_argument("--out-dir", type=Path, help="default: --results-dir")
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+    files = args.files or [newest(args.results_dir, args.pattern)]
+    out_dir = args.out_dir or args.results_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    metas, rows = load(files)
+    agg = aggregate(rows)
+    copy = _median(m.get("copy_GBps") for _, m in metas)
+    lines = header(metas)
+    for sel in dict.fromkeys(k[:4] for k in agg):
+        plots = [] if args.no_plots else plot(agg, sel, out_dir, copy)
+        lines += op_section(agg, sel, plots)
+    md = out_dir / "SUMMARY.md"
+    md.write_text("\n".join(lines) + "\n")
+    print(f"wrote {md}" + ("" if args.no_plots else " and plots"))
+    return md
+
+
+if __name__ == "__main__":
+    main()

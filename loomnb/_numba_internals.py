@@ -1,0 +1,251 @@
+"""Every use of numba-cuda internals in loomnb lives in this module.
+
+numba-cuda is in maintenance mode, so anything here may break on an upgrade; the public kernels
+only see the small functions below, and ``tests/test_numba_internals.py`` fails loudly when the
+assumptions change. What we rely on:
+
+1. **Inline PTX through ``numba.cuda.extending.intrinsic``** (llvmlite ``InlineAsm``): Hopper's
+   packed conversions ``cvt.rn.bf16x2.f32``, ``cvt.rn.f16x2.f32``,
+   ``cvt.rn.satfinite.e4m3x2.f32`` and ``cvt.f32.f16``, and 16-byte vector loads/stores
+   (``ld.global.v4.u32``) on 2-D ``uint32`` arrays. Each has a portable twin in
+   :mod:`loomnb.layouts.dtypes`, and a GPU test proves them bit-identical.
+2. **The kernel parameter ABI** (``_Kernel._prepare_args``): a kernel argument of type
+   ``Array(dtype, ndim)`` becomes ``5 + 2*ndim`` parameters (meminfo, parent, nitems, itemsize,
+   data, shape..., strides-in-bytes...), each 8 bytes; ``float32`` is 4 bytes, ``int64`` 8.
+   :class:`FastKernel` packs that block itself and calls ``cuLaunchKernel`` directly, which
+   takes the per-call host cost from numba's 24-88 us to a few microseconds.
+3. **The simulator's device-array wrapper** (``FakeCUDAArray``): wrapping NumPy arrays in it
+   makes the simulator run on the caller's memory instead of copying each argument in and out
+   (its copy-back would let an unmodified alias overwrite an in-place result).
+4. **Where device functions take their target**: ``cuda.compile_ptx`` compiles a kernel for a
+   given ``cc``, but the ``@cuda.jit(device=True)`` functions it calls ask
+   ``numba.cuda.dispatcher.get_current_device()`` -- which needs a GPU. :func:`compile_ptx`
+   answers that question with the requested ``cc`` so CI can compile every kernel on a CPU.
+5. **The compiled function handle**: ``dispatcher.overloads[argtypes]._codelibrary.get_cufunc()``
+   (loads the module into the current context) and its ``.handle``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+
+from numba import types
+from numba.cuda import config as _config
+
+SIM = bool(_config.ENABLE_CUDASIM)
+
+if not SIM:
+    from llvmlite import ir
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    _i16, _i32, _f32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
+
+    def _asm(builder, ret, argtys, text, constraints, args):
+        fn = ir.InlineAsm(ir.FunctionType(ret, argtys), text, constraints)
+        return builder.call(fn, args)
+
+    @intrinsic
+    def cvt_bf16x2(typingctx, hi, lo):
+        """Round two float32 to bf16 (RNE) and pack: ``hi`` in bits 31..16, ``lo`` in 15..0."""
+        sig = types.uint32(types.float32, types.float32)
+
+        def codegen(context, builder, sig, args):
+            return _asm(builder, _i32, [_f32, _f32], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", args)
+
+        return sig, codegen
+
+    @intrinsic
+    def cvt_f16x2(typingctx, hi, lo):
+        """Round two float32 to fp16 (RNE) and pack: ``hi`` in bits 31..16, ``lo`` in 15..0."""
+        sig = types.uint32(types.float32, types.float32)
+
+        def codegen(context, builder, sig, args):
+            return _asm(builder, _i32, [_f32, _f32], "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", args)
+
+        return sig, codegen
+
+    @intrinsic
+    def cvt_e4m3x2(typingctx, hi, lo):
+        """float32 pair -> FP8 E4M3 pair (RNE, saturating to +-448, NaN -> 0x7F): ``hi`` in bits 15..8."""
+        sig = types.uint32(types.float32, types.float32)
+
+        def codegen(context, builder, sig, args):
+            h = _asm(builder, _i16, [_f32, _f32], "cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;", "=h,f,f", args)
+            return builder.zext(h, _i32)
+
+        return sig, codegen
+
+    @intrinsic
+    def cvt_f16_to_f32(typingctx, bits):
+        """fp16 bit pattern (low 16 bits of a uint32) -> float32, exact."""
+        sig = types.float32(types.uint32)
+
+        def codegen(context, builder, sig, args):
+            h = builder.trunc(args[0], _i16)
+            return _asm(builder, _f32, [_i16], "cvt.f32.f16 $0, $1;", "=f,h", [h])
+
+        return sig, codegen
+
+    def _vec_ptr(context, builder, aryty, ary, row, col, n):
+        arr = context.make_array(aryty)(context, builder, ary)
+        ptr = cgutils.get_item_pointer2(
+            context, builder, data=arr.data, shape=cgutils.unpack_tuple(builder, arr.shape),
+            strides=cgutils.unpack_tuple(builder, arr.strides), layout=aryty.layout,
+            inds=[row, col],
+        )
+        return builder.bitcast(ptr, ir.PointerType(ir.VectorType(_i32, n)))
+
+    def _make_load(n):
+        @intrinsic
+        def load(typingctx, ary, row, col):
+            sig = types.UniTuple(types.uint32, n)(ary, types.intp, types.intp)
+
+            def codegen(context, builder, sig, args):
+                ary_v, row_v, col_v = args
+                ptr = _vec_ptr(context, builder, sig.args[0], ary_v, row_v, col_v, n)
+                vec = builder.load(ptr, align=4 * n)
+                items = [builder.extract_element(vec, ir.Constant(_i32, k)) for k in range(n)]
+                return context.make_tuple(builder, sig.return_type, items)
+
+            return sig, codegen
+
+        return load
+
+    def _make_store(n):
+        @intrinsic
+        def store(typingctx, ary, row, col, vals):
+            sig = types.void(ary, types.intp, types.intp, types.UniTuple(types.uint32, n))
+
+            def codegen(context, builder, sig, args):
+                ary_v, row_v, col_v, vals_v = args
+                ptr = _vec_ptr(context, builder, sig.args[0], ary_v, row_v, col_v, n)
+                vec = ir.Constant(ir.VectorType(_i32, n), None)
+                for k in range(n):
+                    vec = builder.insert_element(vec, builder.extract_value(vals_v, k), ir.Constant(_i32, k))
+                builder.store(vec, ptr, align=4 * n)
+
+            return sig, codegen
+
+        return store
+
+    load_u32x4 = _make_load(4)
+    store_u32x4 = _make_store(4)
+    store_u32x2 = _make_store(2)
+
+
+def compile_ptx(pyfunc, argtypes, cc=(9, 0)):
+    """PTX of kernel ``pyfunc`` for ``argtypes`` and compute capability ``cc``, with no GPU."""
+    import unittest.mock
+
+    from numba import cuda
+    from numba.cuda import dispatcher
+
+    class _Device:
+        compute_capability = cc
+
+    with unittest.mock.patch.object(dispatcher, "get_current_device", lambda: _Device):
+        ptx, _ = cuda.compile_ptx(pyfunc, argtypes, cc=cc)
+    return ptx
+
+
+def sim_device_array(ary):
+    """Simulator only: present a NumPy array to a kernel without a copy-in/copy-out."""
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+    return FakeCUDAArray(ary)
+
+
+# --------------------------------------------------------------------------------------------
+# Direct launch of a compiled kernel
+# --------------------------------------------------------------------------------------------
+
+def param_slots(argtypes):
+    """Struct-pack format of the kernel parameters numba generates for ``argtypes``.
+
+    Every parameter gets an 8-byte slot (``cuLaunchKernel`` takes a pointer per parameter);
+    float32 fills 4 bytes of its slot. Returns ``(format, n_params)``.
+    """
+    fmt, n = "", 0
+    for ty in argtypes:
+        if isinstance(ty, types.Array):
+            k = 5 + 2 * ty.ndim
+            fmt += "q" * k
+            n += k
+        elif ty == types.float32:
+            fmt += "f4x"
+            n += 1
+        elif ty in (types.int64, types.uint64, types.intp):
+            fmt += "q"
+            n += 1
+        else:  # pragma: no cover - a kernel author error, caught by the internals test
+            raise TypeError(f"loomnb FastKernel: unsupported kernel parameter type {ty}")
+    return "<" + fmt, n
+
+
+def array_params(ptr, shape, strides_bytes, itemsize):
+    """The ``5 + 2*ndim`` values numba passes for one array argument (see module docstring)."""
+    nitems = 1
+    for s in shape:
+        nitems *= s
+    return (0, 0, nitems, itemsize, ptr, *shape, *strides_bytes)
+
+
+class FastKernel:
+    """One compiled specialisation of a ``@cuda.jit`` kernel, launched with ``cuLaunchKernel``.
+
+    ``dispatcher`` is a lazily compiling ``cuda.jit`` dispatcher and ``argtypes`` the numba types
+    of its arguments. Compilation happens once per device, on first use; the launch is then
+    ``struct.pack_into`` of the flattened parameters plus one driver call. The stream is passed
+    at every call and never cached, so CUDA-graph capture sees each launch.
+    """
+
+    _libcuda = None
+
+    def __init__(self, dispatcher, argtypes, name):
+        self.dispatcher = dispatcher
+        self.argtypes = tuple(argtypes)
+        self.name = name
+        self._fmt, self._nparams = param_slots(self.argtypes)
+        self._buf = ctypes.create_string_buffer(8 * self._nparams)
+        base = ctypes.addressof(self._buf)
+        self._ptrs = (ctypes.c_void_p * self._nparams)(*[base + 8 * i for i in range(self._nparams)])
+        self._ptrs_addr = ctypes.addressof(self._ptrs)
+        self._handles = {}
+        self._lock = threading.Lock()
+
+    def compile(self, device_index):
+        """Compile (once) for ``device_index`` and return the CUfunction handle as an int."""
+        h = self._handles.get(device_index)
+        if h is None:
+            from numba import cuda
+
+            with cuda.gpus[device_index]:
+                self.dispatcher.compile(self.argtypes)
+                kernel = self.dispatcher.overloads[self.argtypes]
+                kernel.bind()
+                cufunc = kernel._codelibrary.get_cufunc()
+                h = int(cufunc.handle)
+            self._handles[device_index] = h
+        return h
+
+    @classmethod
+    def _driver(cls):
+        if cls._libcuda is None:
+            lib = ctypes.CDLL("libcuda.so.1")
+            fn = lib.cuLaunchKernel
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+            cls._libcuda = fn
+        return cls._libcuda
+
+    def launch(self, device_index, grid, block, stream_handle, params):
+        """Launch on ``stream_handle`` (an int ``CUstream``) with the flattened ``params``."""
+        func = self._handles.get(device_index) or self.compile(device_index)
+        launch = self._libcuda or self._driver()
+        with self._lock:
+            struct.pack_into(self._fmt, self._buf, 0, *params)
+            err = launch(func, grid, 1, 1, block, 1, 1, 0, stream_handle, self._ptrs_addr, None)
+        if err:
+            raise RuntimeError(f"loomnb: cuLaunchKernel({self.name}) failed with CUresult {err}")

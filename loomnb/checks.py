@@ -1,0 +1,96 @@
+"""loomnb's exceptions and the argument checks every public op runs before a launch.
+
+Every message names the argument, what was expected and what was received. Nothing here
+coerces: a wrong dtype or layout is rejected, never silently cast or copied.
+"""
+
+from __future__ import annotations
+
+
+class LoomnbError(Exception):
+    """Base class of loomnb's errors."""
+
+
+class LoomnbValueError(LoomnbError, ValueError):
+    """A bad shape, layout, value or combination of arguments."""
+
+
+class LoomnbTypeError(LoomnbError, TypeError):
+    """A bad dtype or kind of array (host array where a device array is needed, ...)."""
+
+
+def fail_type(op, name, expected, got):
+    raise LoomnbTypeError(f"{op}: argument '{name}' must be {expected}; got {got}")
+
+
+def fail_value(op, name, expected, got):
+    raise LoomnbValueError(f"{op}: argument '{name}' must be {expected}; got {got}")
+
+
+def check_kind(op, name, arr, allowed):
+    """``arr.kind`` (one of 'bf16', 'f16', 'f32', 'fp8') must be in ``allowed``."""
+    if arr.kind not in allowed:
+        fail_type(op, name, "of dtype " + " or ".join(_DTYPE_NAMES[k] for k in allowed),
+                  f"dtype {arr.dtype_name}")
+
+
+def check_same_kind(op, name, arr, ref_name, ref):
+    if arr.kind != ref.kind:
+        fail_type(op, name, f"of the same dtype as '{ref_name}' ({ref.dtype_name})",
+                  f"dtype {arr.dtype_name}")
+
+
+def check_ndim(op, name, arr, ndim):
+    if arr.ndim != ndim:
+        fail_value(op, name, f"{ndim}-D", f"a {arr.ndim}-D array of shape {arr.shape}")
+
+
+def check_shape(op, name, arr, shape, dims):
+    """``arr.shape == shape``; ``dims`` names the symbolic dims for the message."""
+    if tuple(arr.shape) != tuple(shape):
+        fail_value(op, name, f"of shape {list(shape)} ({dims})", f"shape {list(arr.shape)}")
+
+
+def check_last_contiguous(op, name, arr):
+    if arr.ndim and arr.shape[-1] > 1 and arr.strides[-1] != 1 and 0 not in arr.shape:
+        fail_value(op, name, "contiguous in its last dimension (stride 1)",
+                   f"strides {arr.strides} (in elements)")
+
+
+def check_contiguous(op, name, arr):
+    if not arr.is_c_contiguous():
+        fail_value(op, name, "C-contiguous", f"shape {arr.shape} with strides {arr.strides} (in elements)")
+
+
+def check_rows_non_overlapping(op, name, arr):
+    """A 2-D array we write must not map two rows onto the same memory."""
+    if arr.shape[0] > 1 and arr.shape[1] > 0 and abs(arr.strides[0]) < arr.shape[1]:
+        fail_value(op, name, "a writable 2-D array whose rows do not overlap",
+                   f"row stride {arr.strides[0]} for rows of {arr.shape[1]} elements")
+
+
+def check_same_device(op, name, arr, ref_name, ref):
+    if arr.device != ref.device:
+        fail_value(op, name, f"on the same device as '{ref_name}' (cuda:{ref.device})",
+                   f"an array on cuda:{arr.device}")
+
+
+def check_not_aliased(op, name, arr, other_name, other):
+    """Two buffers the op reads and writes must be distinct (no partial or full overlap)."""
+    if arr.overlaps(other):
+        fail_value(op, name, f"a buffer that does not overlap '{other_name}'",
+                   "overlapping memory")
+
+
+def check_eps(op, eps):
+    try:
+        e = float(eps)
+    except (TypeError, ValueError):
+        fail_type(op, "eps", "a real number", repr(eps))
+    if not (e >= 0.0) or e == float("inf"):
+        fail_value(op, "eps", "finite and >= 0", repr(eps))
+    return e
+
+
+_DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "fp8": "float8_e4m3fn",
+                "i32": "int32", "i64": "int64", "u8": "uint8"}

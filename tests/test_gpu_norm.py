@@ -1,0 +1,342 @@
+"""The RMSNorm family on a real GPU: correctness against the oracles, the adapter's contracts
+(zero copy, streams, devices, dtypes read from the array), CUDA-graph capture and replay,
+torch.compile, buffer reuse, no recompilation for a new num_tokens, and 64-bit offsets.
+
+Skipped, with that reason, on machines without a CUDA GPU (CI's CPU machine).
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from helpers import assert_fp8_codes, assert_ulps
+from tolerances import SCALE_RTOL, ulps
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+import loomnb  # noqa: E402
+from loomnb.ops import norm as norm_ops  # noqa: E402
+
+EPS = 1e-6
+TORCH_DT = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+NP_DT = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}
+
+
+def to_np(t):
+    """torch tensor -> NumPy with the same bits (bf16/fp8 as ml_dtypes)."""
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+    return t.numpy()
+
+
+def rand(shape, kind, scale=1.0, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(shape, generator=g, device="cuda") * scale).to(TORCH_DT[kind])
+
+
+SHAPES = [(1, 8), (19, 576), (111, 4096), (989, 19), (1823, 4104), (7, 8200), (3, 12288)]
+
+
+@pytest.mark.parametrize("kind", ["bf16", "f16", "f32"])
+@pytest.mark.parametrize("num_tokens, hidden_size", SHAPES)
+def test_rms_norm_and_fused_add(kind, num_tokens, hidden_size):
+    x = rand((num_tokens, hidden_size), kind, 3.0, seed=hidden_size)
+    w = rand((hidden_size,), kind, seed=1)
+    r = rand((num_tokens, hidden_size), kind, 2.0, seed=2)
+    x0, w0 = x.clone(), w.clone()
+    y = loomnb.rms_norm(x, w, EPS)
+    assert y.device == x.device and y.dtype == x.dtype
+    assert torch.equal(x, x0) and torch.equal(w, w0), "inputs must not be modified"
+    assert_ulps(to_np(y), loomnb.oracle.rms_norm(to_np(x), to_np(w), EPS), ulps("norm", kind), "rms_norm")
+    xo, ro = to_np(x).copy(), to_np(r).copy()
+    loomnb.oracle.fused_add_rms_norm(xo, ro, to_np(w), EPS)
+    rx, rr = loomnb.fused_add_rms_norm(x, r, w, EPS)
+    assert rx is x and rr is r
+    assert np.array_equal(to_np(r).view(np.uint8), ro.view(np.uint8)), "residual sum is exact"
+    assert_ulps(to_np(x), xo, ulps("norm", kind), "fused_add x")
+
+
+@pytest.mark.parametrize("kind", ["bf16", "f16", "f32"])
+@pytest.mark.parametrize("num_tokens, hidden_size", [(1, 8), (19, 576), (111, 4096), (989, 19), (5, 4104)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_dynamic_and_static_fp8(kind, num_tokens, hidden_size, residual):
+    x = rand((num_tokens, hidden_size), kind, 2.0, seed=3)
+    w = rand((hidden_size,), kind, seed=4)
+    res = rand((num_tokens, hidden_size), kind, seed=5) if residual else None
+    ub = torch.tensor([1.5], device="cuda")
+    res_o = None if res is None else to_np(res).copy()
+    qo, so = loomnb.oracle.rms_norm_dynamic_per_token_quant(to_np(x), to_np(w), EPS, scale_ub=to_np(ub),
+                                                            residual=res_o)
+    q, s = loomnb.rms_norm_dynamic_per_token_quant(x, w, EPS, scale_ub=ub, residual=res)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (num_tokens, 1) and s.dtype == torch.float32
+    np.testing.assert_allclose(to_np(s), so, rtol=SCALE_RTOL[0])
+    assert_fp8_codes(to_np(q), qo, ulps("norm_fp8", "fp8"), "dynamic")
+    if residual:
+        assert np.array_equal(to_np(res).view(np.uint8), res_o.view(np.uint8))
+    scale = torch.tensor([0.02], device="cuda")
+    out = torch.empty_like(x, dtype=torch.float8_e4m3fn)
+    if residual:
+        x0 = x.clone()
+        r2, r2o = rand((num_tokens, hidden_size), kind, seed=6), None
+        r2o = to_np(r2).copy()
+        loomnb.fused_add_rms_norm_static_fp8_quant(out, x, r2, w, scale, EPS)
+        want, _ = loomnb.oracle.fused_add_rms_norm_static_fp8_quant(None, to_np(x), r2o, to_np(w), to_np(scale), EPS)
+        assert torch.equal(x, x0)
+        assert np.array_equal(to_np(r2).view(np.uint8), r2o.view(np.uint8))
+    else:
+        loomnb.rms_norm_static_fp8_quant(out, x, w, scale, EPS)
+        want = loomnb.oracle.rms_norm_static_fp8_quant(None, to_np(x), to_np(w), to_np(scale), EPS)
+    assert_fp8_codes(to_np(out), want, 1, "static")
+
+
+@pytest.mark.parametrize("threads", [32, 96, 256, 1024])
+def test_block_size_sweep(threads):
+    x, w = rand((33, 4096), "bf16", seed=7), rand((4096,), "bf16", seed=8)
+    with norm_ops.force_num_threads(threads):
+        y = loomnb.rms_norm(x, w, EPS)
+    assert_ulps(to_np(y), loomnb.oracle.rms_norm(to_np(x), to_np(w), EPS), ulps("norm", "bf16"), f"threads={threads}")
+
+
+def test_strided_rows_vector_and_scalar_paths():
+    wide = rand((64, 4096 + 64), "bf16", seed=9)
+    for x in (wide[:, 64:], wide[:, 1:4097], wide[::2, :4096]):
+        w = rand((x.shape[1],), "bf16", seed=10)
+        y = loomnb.rms_norm(x, w, EPS)
+        assert_ulps(to_np(y), loomnb.oracle.rms_norm(np.ascontiguousarray(to_np(x)), to_np(w), EPS), ulps("norm", "bf16"), "strided")
+
+
+def test_bf16_is_read_from_the_dtype_not_the_typestr():
+    """bf16 [1, 3, -1] must be read as 1, 3, -1 (an fp16 misread gives 1.875, 2.125, -1.875)."""
+    x = torch.tensor([[1.0, 3.0, -1.0, 1.0, 3.0, -1.0, 1.0, 3.0]], dtype=torch.bfloat16, device="cuda")
+    w = torch.ones(8, dtype=torch.bfloat16, device="cuda")
+    y = loomnb.rms_norm(x, w, 0.0)
+    want = loomnb.oracle.rms_norm(np.array([[1, 3, -1, 1, 3, -1, 1, 3]], ml_dtypes.bfloat16),
+                                  np.ones(8, ml_dtypes.bfloat16), 0.0)
+    assert np.array_equal(to_np(y).view(np.uint16), want.view(np.uint16))
+    from numba import cuda
+    cai_only = cuda.as_cuda_array(x)  # dtype comes from the typestr: not bf16
+    with pytest.raises(loomnb.LoomnbTypeError, match="reads the dtype from the array object"):
+        loomnb.rms_norm(cai_only, cuda.as_cuda_array(w), 0.0)
+
+
+def test_cupy_and_numba_arrays_zero_copy():
+    cupy = pytest.importorskip("cupy")
+    from numba import cuda
+    xn = np.random.default_rng(0).standard_normal((17, 576)).astype(ml_dtypes.bfloat16)
+    wn = np.random.default_rng(1).standard_normal(576).astype(ml_dtypes.bfloat16)
+    want = loomnb.oracle.rms_norm(xn, wn, EPS)
+    # numba cannot copy ml_dtypes buffers: move the bits, then view them as bf16 on the device
+    xd = cuda.to_device(xn.view(np.uint16)).view(ml_dtypes.bfloat16)
+    wd = cuda.to_device(wn.view(np.uint16)).view(ml_dtypes.bfloat16)
+    yd = loomnb.rms_norm(xd, wd, EPS)
+    cuda.synchronize()
+    got = yd.view(np.uint16).copy_to_host().view(ml_dtypes.bfloat16)
+    assert_ulps(got, want, ulps("norm", "bf16"), "numba device arrays")
+    xf, wf = cupy.asarray(xn.astype(np.float32)), cupy.asarray(wn.astype(np.float32))
+    yf = loomnb.rms_norm(xf, wf, EPS)
+    assert isinstance(yf, cupy.ndarray)
+    assert_ulps(cupy.asnumpy(yf), loomnb.oracle.rms_norm(xn.astype(np.float32), wn.astype(np.float32), EPS),
+                ulps("norm", "f32"), "cupy")
+
+
+def test_host_arrays_are_rejected_clearly():
+    w = rand((8,), "bf16")
+    with pytest.raises(loomnb.LoomnbTypeError, match="must be a CUDA device array.*host numpy.ndarray"):
+        loomnb.rms_norm(np.zeros((2, 8), ml_dtypes.bfloat16), w, EPS)
+    with pytest.raises(loomnb.LoomnbTypeError, match="host torch tensor"):
+        loomnb.rms_norm(torch.zeros(2, 8, dtype=torch.bfloat16), w, EPS)
+
+
+def test_reads_data_written_on_a_non_default_stream_without_sync():
+    s = torch.cuda.Stream()
+    a = torch.randn(8192, 8192, device="cuda")
+    w = rand((4096,), "bf16", seed=11)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            prod = a @ a  # keeps the stream busy for milliseconds
+        x = (prod[:64, :4096] * 1e-3).to(torch.bfloat16)
+        y = loomnb.rms_norm(x, w, EPS)  # no synchronisation in between
+    torch.cuda.synchronize()
+    assert_ulps(to_np(y), loomnb.oracle.rms_norm(to_np(x), to_np(w), EPS), ulps("norm", "bf16"), "stream order")
+
+
+def test_explicit_stream_argument():
+    s = torch.cuda.Stream()
+    x, w = rand((5, 64), "bf16"), rand((64,), "bf16")
+    torch.cuda.synchronize()
+    y = loomnb.rms_norm(x, w, EPS, stream=s)
+    s.synchronize()
+    assert_ulps(to_np(y), loomnb.oracle.rms_norm(to_np(x), to_np(w), EPS), ulps("norm", "bf16"), "explicit stream")
+
+
+def _graph_roundtrip(run, inputs, fresh):
+    """Capture ``run()`` on a side stream, refill the static inputs, replay, compare with eager."""
+    g = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # warm up (compiles) outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(g, stream=side):
+        outs = run()
+    for t, f in zip(inputs, fresh):
+        t.copy_(f)
+    g.replay()
+    torch.cuda.synchronize()
+    return outs
+
+
+def test_cuda_graph_capture_and_replay_each_op():
+    T, H = 40, 4096
+    x, w, r = rand((T, H), "bf16", seed=1), rand((H,), "bf16", seed=2), rand((T, H), "bf16", seed=3)
+    ub = torch.tensor([2.0], device="cuda")
+    fx, fr = rand((T, H), "bf16", seed=4), rand((T, H), "bf16", seed=5)
+    out = torch.empty_like(x)
+    y = _graph_roundtrip(lambda: loomnb.rms_norm(x, w, EPS, out=out), [x], [fx])
+    assert_ulps(to_np(y), loomnb.oracle.rms_norm(to_np(fx), to_np(w), EPS), ulps("norm", "bf16"), "graph rms_norm")
+    q = torch.empty(T, H, dtype=torch.float8_e4m3fn, device="cuda")
+    s = torch.empty(T, 1, device="cuda")
+    _graph_roundtrip(lambda: loomnb.rms_norm_dynamic_per_token_quant(x, w, EPS, ub, out=q, scales=s), [x], [fr])
+    qo, so = loomnb.oracle.rms_norm_dynamic_per_token_quant(to_np(fr), to_np(w), EPS, scale_ub=to_np(ub))
+    assert_fp8_codes(to_np(q), qo, 1, "graph dynamic")
+    # fused add mutates its inputs: capture, then refill and replay once
+    _graph_roundtrip(lambda: loomnb.fused_add_rms_norm(x, r, w, EPS), [x, r], [fx, fr])
+    xo, ro = to_np(fx).copy(), to_np(fr).copy()
+    loomnb.oracle.fused_add_rms_norm(xo, ro, to_np(w), EPS)
+    assert np.array_equal(to_np(r).view(np.uint8), ro.view(np.uint8))
+    assert_ulps(to_np(x), xo, ulps("norm", "bf16"), "graph fused add")
+
+
+def test_eager_on_one_stream_then_capture_on_another_replays_the_work():
+    """A launcher that cached its stream at first use captured nothing; replay must do the work."""
+    x, w = rand((16, 576), "bf16", seed=1), rand((576,), "bf16", seed=2)
+    out = torch.empty_like(x)
+    s1 = torch.cuda.Stream()
+    with torch.cuda.stream(s1):
+        loomnb.rms_norm(x, w, EPS, out=out)
+    s1.synchronize()
+    eager = out.clone()
+    out.zero_()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):  # a different (capture) stream
+        loomnb.rms_norm(x, w, EPS, out=out)
+    torch.cuda.synchronize()
+    out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def test_new_num_tokens_does_not_recompile_and_buffers_are_reusable():
+    w = rand((576,), "bf16")
+    out = torch.empty(300, 576, dtype=torch.bfloat16, device="cuda")
+    for n in (1, 7, 300, 2):
+        x = rand((n, 576), "bf16", seed=n)
+        y = loomnb.rms_norm(x, w, EPS, out=out[:n])
+        assert_ulps(to_np(y), loomnb.oracle.rms_norm(to_np(x), to_np(w), EPS), ulps("norm", "bf16"), f"n={n}")
+    k = norm_ops.get_kernel("bf16", "rms", True)
+    assert len(k.dispatcher.overloads) == 1 and len(k._handles) == 1
+
+
+def test_torch_compile_around_an_op():
+    x, w = rand((9, 576), "bf16"), rand((576,), "bf16")
+
+    def f(x, w):
+        return loomnb.rms_norm(x * 2, w, EPS) + 1
+
+    compiled = torch.compile(f)
+    assert torch.equal(compiled(x, w), f(x, w))
+
+
+def test_64bit_offsets_last_row():
+    """524,289 tokens x 4096 bf16 (past 2^31 elements): the last row equals that row alone."""
+    T, H = 524_289, 4096
+    x = torch.empty(T, H, dtype=torch.bfloat16, device="cuda").normal_()
+    w = rand((H,), "bf16", seed=3)
+    y = loomnb.rms_norm(x, w, EPS)
+    alone = loomnb.rms_norm(x[-1:].clone(), w, EPS)
+    assert torch.equal(y[-1:], alone)
+    r = torch.empty_like(x).normal_()
+    last_x, last_r = x[-1:].clone(), r[-1:].clone()
+    loomnb.fused_add_rms_norm(x, r, w, EPS)
+    loomnb.fused_add_rms_norm(last_x, last_r, w, EPS)
+    assert torch.equal(x[-1:], last_x) and torch.equal(r[-1:], last_r)
+
+
+def test_fast_launch_packs_what_numba_packs():
+    """FastKernel's parameter block equals numba's own _prepare_args for the same arrays."""
+    import ctypes
+    import struct
+
+    from numba import cuda
+    from loomnb import _adapter
+    x, w = rand((3, 16), "bf16"), rand((16,), "bf16")
+    k = norm_ops.get_kernel("bf16", "rms", False)
+    k.compile(0)
+    kernel = k.dispatcher.overloads[k.argtypes]
+    xa = _adapter.wrap("t", "x", x)
+    mine = list(xa.params())
+    theirs = []
+    kernel._prepare_args(k.argtypes[1], cuda.as_cuda_array(x.view(torch.int16)).view(np.uint16), 0, [], theirs)
+    theirs = [v.value if isinstance(v, ctypes._SimpleCData) else int(v) for v in theirs]
+    assert mine == theirs
+    assert struct.calcsize(k._fmt) == 8 * k._nparams
+
+
+def test_second_device_if_present():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (this machine has one)")
+    x, w = rand((5, 576), "bf16").to("cuda:1"), rand((576,), "bf16").to("cuda:1")
+    y = loomnb.rms_norm(x, w, EPS)
+    assert y.device == x.device
+    assert_ulps(to_np(y), loomnb.oracle.rms_norm(to_np(x), to_np(w), EPS), ulps("norm", "bf16"), "cuda:1")
+    with pytest.raises(loomnb.LoomnbValueError, match="on the same device as 'x'"):
+        loomnb.rms_norm(x, w.to("cuda:0"), EPS)
+
+
+def test_hardware_conversions_equal_the_portable_ones():
+    """Hopper's cvt instructions vs the integer bit manipulation, over every input that matters."""
+    from numba import cuda, float32
+    from loomnb.layouts import dtypes as d
+
+    @cuda.jit
+    def conv(xs, bits, out):
+        i = cuda.grid(1)
+        if i < xs.shape[0]:
+            v = xs[i]
+            out[i, 0] = d.f32_to_bf16(v)
+            out[i, 1] = d.f32_to_bf16_portable(v)
+            out[i, 2] = d.f32_to_f16(v)
+            out[i, 3] = d.f32_to_f16_portable(v)
+            out[i, 4] = d.f32_to_e4m3(v)
+            out[i, 5] = d.f32_to_e4m3_portable(v)
+        if i < bits.shape[0]:
+            out[i, 6] = d.f32_bits(d.f16_to_f32(bits[i]))
+            out[i, 7] = d.f32_bits(d.f16_to_f32_portable(bits[i]))
+            out[i, 8] = d.f32_bits(d.bf16_round(float32(d.bf16_to_f32(bits[i]))))
+
+    rng = np.random.default_rng(0)
+    xs = np.concatenate([
+        rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32).view(np.float32),
+        np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float32),
+        np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32),
+        np.linspace(-500, 500, 200001, dtype=np.float32),
+        np.linspace(-2 ** -5, 2 ** -5, 200001, dtype=np.float32)]).astype(np.float32)
+    bits = np.arange(1 << 16, dtype=np.uint32)
+    out = cuda.device_array((xs.shape[0], 9), np.uint32)
+    conv[(xs.shape[0] + 255) // 256, 256](cuda.to_device(xs), cuda.to_device(bits), out)
+    o = out.copy_to_host()
+    nan = np.isnan(xs)
+    for hw, pt, name in ((0, 1, "bf16"), (2, 3, "fp16"), (4, 5, "e4m3")):
+        bad = (o[:, hw] != o[:, pt]) & ~nan
+        assert not bad.any(), f"{name}: hardware != portable for {xs[bad][:5]}"
+        nan_codes = {(int(a), int(b)) for a, b in zip(o[nan, hw], o[nan, pt])}
+        assert nan_codes == {(0x7FFF, 0x7FFF)} or nan_codes == {(0x7F, 0x7F)}, (name, nan_codes)
+    dec = o[:1 << 16, 6:8].view(np.float32)
+    same = (o[:1 << 16, 6] == o[:1 << 16, 7]) | (np.isnan(dec[:, 0]) & np.isnan(dec[:, 1]))
+    assert same.all(), "fp16 decode: hardware != portable"
