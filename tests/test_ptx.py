@@ -2,26 +2,32 @@
 
 The simulator hides compile errors, so CI compiles every specialisation here and checks the
 instructions we rely on are there: 16-byte vector loads/stores in the vector kernels, Hopper's
-packed conversions, ``rsqrt.approx.f32``, warp shuffles, and no local-memory arrays.
+packed conversions, the float64 RMS, warp shuffles, and no local-memory arrays.
 """
 
 import pytest
 
 from loomnb._numba_internals import compile_ptx
 from loomnb.ops import norm as norm_ops
-from loomnb.ops._norm_kernels import VARIANTS, make_scalar_kernel, make_vector_kernel
+from loomnb.ops._norm_kernels import (VARIANTS, make_cached_kernel, make_scalar_kernel,
+                                     make_vector_kernel)
 
 pytestmark = pytest.mark.nosim
-CASES = [(k, v, vec) for k in ("bf16", "f16", "f32") for v in VARIANTS
+CASES = [(k, v, vec, 0) for k in ("bf16", "f16", "f32") for v in VARIANTS
          for vec in ((False, True) if k != "f32" else (False,))]
+CASES += [(k, v, True, vpt) for k in ("bf16", "f16") for v in VARIANTS for vpt in norm_ops.CACHED_VPT
+          if k == "bf16" or vpt == 4]
 
 
-@pytest.mark.parametrize("kind, variant, vector", CASES)
-def test_norm_kernel_compiles_for_sm90(kind, variant, vector):
-    make = make_vector_kernel if vector else make_scalar_kernel
-    ptx = compile_ptx(make(kind, variant), norm_ops.kernel_argtypes(kind, variant, vector))
+@pytest.mark.parametrize("kind, variant, vector, vpt", CASES)
+def test_norm_kernel_compiles_for_sm90(kind, variant, vector, vpt):
+    if vpt:
+        pyfunc = make_cached_kernel(kind, variant, vpt)
+    else:
+        pyfunc = (make_vector_kernel if vector else make_scalar_kernel)(kind, variant)
+    ptx = compile_ptx(pyfunc, norm_ops.kernel_argtypes(kind, variant, vector))
     assert ".target sm_90" in ptx
-    assert "rsqrt.approx.f32" in ptx
+    assert "sqrt.rn.f64" in ptx and "div.rn.f64" in ptx, "inv_rms is computed in float64"
     assert "shfl.sync.bfly.b32" in ptx
     assert ".local" not in ptx, "local memory: a per-thread array was not promoted to registers"
     if vector:

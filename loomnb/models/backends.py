@@ -9,8 +9,10 @@ A backend has ``name``, ``loomnb_ops`` (names of the ops it runs through loomnb)
 
 ``x``/``residual`` are contiguous ``[num_tokens, hidden_size]`` and ``weight`` is
 ``[hidden_size]``, all in the activation dtype (bf16 or fp32). Rounding points (vLLM's CUDA
-kernels): sum of squares and ``rsqrt`` in fp32, the normalised value rounded to the activation
-dtype, then one rounding of ``normalised * weight``.
+kernels): the normalised value rounded to the activation dtype, then one rounding of
+``normalised * weight``; ``inv = r32(1 / sqrt(sum(x^2) / H + eps))`` evaluated in float64, as
+loomnb's kernels and oracles do (see ``loomnb.ops._norm_kernels.inv_rms``), so every backend
+gives the same bits and greedy tokens can be compared exactly.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ class TorchReferenceOps:
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         xf = x.float()
-        inv = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ss = xf.double().pow(2).sum(-1, keepdim=True)
+        eps64 = float(np.float32(eps))  # eps is a float32 in the kernels, as in vLLM
+        inv = (1.0 / torch.sqrt(ss / x.shape[-1] + eps64)).float()
         n = (xf * inv).to(x.dtype)
         return n * weight
 

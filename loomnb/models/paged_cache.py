@@ -1,7 +1,8 @@
 """Paged KV cache in vLLM's flash-attention layout, and attention that reads it (torch).
 
 Per layer ``key_cache``/``value_cache`` are ``[num_blocks, block_size, num_kv_heads,
-head_size]``. A token at ``pos`` of sequence ``seq`` lives in slot ``block_tables[seq, pos //
+head_size]`` (layout ``"NHD"`` of :mod:`loomnb.layouts.paged_kv`, where the slot arithmetic
+lives). A token at ``pos`` of sequence ``seq`` lives in slot ``block_tables[seq, pos //
 block_size] * block_size + pos % block_size`` (``slot_mapping``, int64); reads go through
 ``block_tables`` (int32 ``[num_seqs, max_blocks]``) and ``seq_lens`` (int32).
 """
@@ -12,11 +13,11 @@ from collections import deque
 
 import torch
 
+from ..layouts.paged_kv import cdiv, key_cache_shape, slot_mapping_from_block_tables
+
 BLOCK_SIZE = 16
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+__all__ = ["BLOCK_SIZE", "BlockAllocator", "PagedKVCache", "cdiv", "compute_slot_mapping",
+           "paged_attention", "reshape_and_cache"]
 
 
 class BlockAllocator:
@@ -40,7 +41,8 @@ class PagedKVCache:
     head_size]`` (vLLM's flash-attention layout) plus their block allocator."""
 
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype, device):
-        shape = (num_blocks, block_size, num_kv_heads, head_size)
+        shape = key_cache_shape("NHD", num_blocks, block_size, num_kv_heads, head_size,
+                                dtype.itemsize)  # = value_cache_shape("NHD", ...)
         self.key_caches = [torch.zeros(shape, dtype=dtype, device=device)
                            for _ in range(num_layers)]
         self.value_caches = [torch.zeros_like(k) for k in self.key_caches]
@@ -50,13 +52,19 @@ class PagedKVCache:
 
 def compute_slot_mapping(block_tables, seq_idx, positions, block_size: int) -> torch.Tensor:
     """Cache slot (int64) of each token: ``block_tables[seq, pos // block_size] * block_size
-    + pos % block_size``; ``seq_idx``/``positions`` are ``[num_tokens]`` tensors."""
-    block_numbers = block_tables[seq_idx, positions // block_size].long()
-    return block_numbers * block_size + positions % block_size
+    + pos % block_size``; ``seq_idx``/``positions`` are int64 ``[num_tokens]`` tensors,
+    ``block_tables`` int32. The model's name for
+    :func:`loomnb.layouts.slot_mapping_from_block_tables`, which validates and documents it."""
+    return slot_mapping_from_block_tables(block_tables, seq_idx, positions, block_size)
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
-    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` to their slots."""
+    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` to their slots.
+
+    NHD is slot-major, so the cache viewed as ``[num_blocks * block_size, num_kv_heads,
+    head_size]`` is indexed by slot. Mutates: ``key_cache``, ``value_cache``. Unlike vLLM's
+    op, a padding slot (-1) is not skipped: torch's ``index_copy_`` raises (this loop never
+    pads)."""
     num_kv_heads, head_size = key_cache.shape[2:]
     key_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, value)

@@ -4,14 +4,17 @@ One thread block per token (row). Each thread walks its row with a stride of the
 
 * pass 1: the sum of squares of ``s`` (fp32), reduced over the block; for the fused-add
   variants ``residual <- z = r(x + residual)`` is written here and ``s = z``;
-* ``inv = rsqrtf(ss / hidden_size + eps)``;
+* ``inv = r32(1 / sqrt(ss / hidden_size + eps))`` with ``ss`` accumulated and ``inv`` computed in
+  float64 (see :func:`inv_rms`);
 * dynamic quant only: pass 2, the row's ``amax`` of the normalised values;
 * last pass: ``n = r(r(s * inv) * w)`` written as the activation dtype, or as FP8 E4M3.
 
-Two layouts of the same body: a *scalar* kernel that reads one element per step (any hidden
-size, any alignment) and a *vector* kernel for bf16/fp16 that moves 16 bytes (8 elements) per
-load and store, used when the rows allow it (see :func:`vector_ok`). Rows past 2**31 elements
-are fine: numba indexes with 64-bit integers.
+Three layouts of the same body: a *scalar* kernel that reads one element per step (any hidden
+size, any alignment); a *vector* kernel for bf16/fp16 that moves 16 bytes (8 elements) per load
+and store, used when the rows allow it (see ``ops.norm.vector_ok``); and its *cached* form, the
+fast path, in which each thread loads its ``vpt`` 16-byte units of the row once, all loads in
+flight together, and keeps them in registers for every later pass (no re-read). Rows past 2**31
+elements are fine: numba indexes with 64-bit integers.
 
 Variants (``variant``):
 
@@ -27,13 +30,16 @@ Variants (``variant``):
 
 from __future__ import annotations
 
-from numba import cuda, float32
+import math
+
+import numpy as np
+from numba import cuda, float32, float64, uint32
 
 from .._numba_internals import SIM
 from ..layouts.dtypes import (bf16_round, bf16_to_f32, bits_f32, f16_round, f16_to_f32,
                               f32_to_bf16, f32_to_e4m3, f32_to_f16, pack_bf16x2, pack_e4m3x2,
-                              pack_f16x2, rsqrt)
-from ._reduce import block_max, block_sum, fmax_nan
+                              pack_f16x2)
+from ._reduce import block_max, block_sum64, fmax_nan
 
 VARIANTS = ("rms", "add", "static", "add_static", "dynamic", "dynamic_res")
 FP8_MAX = 448.0
@@ -84,13 +90,50 @@ _CODECS = {
 
 
 @cuda.jit(device=True)
-def _clamp_fp8(v):
-    """``fmaxf(-448, fminf(v, 448))``: a NaN becomes +448, as in vLLM's quant kernels."""
-    if not (v < float32(FP8_MAX)):
-        v = float32(FP8_MAX)
-    if not (v > float32(-FP8_MAX)):
-        v = float32(-FP8_MAX)
-    return v
+def inv_rms(ss, H, eps):
+    """``r32(1 / sqrt(ss / H + eps))`` in float64, ``ss`` the float64 sum of squares.
+
+    vLLM computes ``rsqrtf(ss32 / H + eps)`` from a float32 CUB reduction, so its result depends
+    on the block size and summation order (not batch-invariant) and carries rsqrt.approx's ~2 ulp.
+    Accumulating the squares in float64 (exact products of bf16/fp16 values, 2^-53 relative per
+    addition) and taking the square root and reciprocal in float64 makes ``inv`` the correctly
+    rounded value for all practical purposes: independent of order and launch configuration and
+    equal to the oracle's. The elementwise rounding points are vLLM's.
+    """
+    return float32(float64(1.0) / math.sqrt(ss / float64(H) + float64(eps)))
+
+
+if SIM:
+    @cuda.jit(device=True)
+    def div_rn(a, b, rb):
+        """``a / b`` rounded to nearest (IEEE float32 division)."""
+        return a / b
+else:
+    @cuda.jit(device=True)
+    def div_rn(a, b, rb):
+        """``a / b`` correctly rounded, from ``rb = RN(1/b)`` (computed once per row): one
+        correction step with exact FMA remainders (Markstein's theorem), which avoids a full
+        ``div.rn.f32`` per element. ``tests/test_gpu_norm.py`` checks it against IEEE division.
+        """
+        q = a * rb
+        r = cuda.fma(-q, b, a)
+        return cuda.fma(r, rb, q)
+
+
+if SIM:
+    @cuda.jit(device=True)
+    def _clamp_fp8(v):
+        """``fminf(v, 448)``: see the GPU twin."""
+        return np.fmin(np.float32(v), np.float32(FP8_MAX))
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True)
+    def _clamp_fp8(v):
+        """vLLM's ``fmaxf(-448, fminf(v, 448))`` before the E4M3 encode, in one instruction:
+        ``fminf`` turns a NaN into +448 and caps the top; the saturating encoder
+        (``cvt.rn.satfinite``) already maps everything below -448 to -448."""
+        return libdevice.fminf(v, float32(FP8_MAX))
 
 
 @cuda.jit(device=True)
@@ -131,13 +174,13 @@ def make_scalar_kernel(kind, variant):
         row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
-        ss = float32(0)
+        ss = float64(0)
         for i in range(tid, H, nt):
             s = src(x, residual, row, i)
             if ADD:
                 residual[row, i] = enc(s)
-            ss += s * s
-        inv = rsqrt(block_sum(ss) / float32(H) + eps)
+            ss += float64(s) * float64(s)
+        inv = inv_rms(block_sum64(ss), H, eps)
         q = float32(1.0)
         if QUANT == "dynamic":
             amax = float32(0)
@@ -221,14 +264,14 @@ def make_vector_kernel(kind, variant):
         nv = H >> 3
         s = cuda.local.array(8, float32)
         w = cuda.local.array(8, float32)
-        ss = float32(0)
+        ss = float64(0)
         for v in range(tid, nv, nt):
             src8(s, x, residual, row, v << 2)
             if ADD:
                 store8(residual, row, v << 2, s)
             for k in range(8):
-                ss += s[k] * s[k]
-        inv = rsqrt(block_sum(ss) / float32(H) + eps)
+                ss += float64(s[k]) * float64(s[k])
+        inv = inv_rms(block_sum64(ss), H, eps)
         q = float32(1.0)
         if QUANT == "dynamic":
             amax = float32(0)
@@ -265,4 +308,115 @@ def make_vector_kernel(kind, variant):
                 store8_fp8(out, row, c, w)
 
     kernel.__name__ = f"norm_{variant}_{kind}_vector"
+    return kernel
+
+
+def make_cached_kernel(kind, variant, vpt):
+    """The register-cached vector kernel: thread ``t`` owns units ``t, t + nt, ..., t + (vpt-1)*nt``
+    of 8 elements (16 bytes); requires ``vpt * blockDim.x * 8 >= hidden_size``. Same parameters
+    and layouts as :func:`make_vector_kernel`.
+    """
+    _, _, rnd, pair, pack = _CODECS[kind]
+    ADD, RES, QUANT = _flags(variant)
+    DYN_RES = RES and not ADD
+    NW = 4 * vpt  # uint32 words per thread
+    NS = 8 * vpt  # values per thread
+
+    @cuda.jit(device=True)
+    def decode(vals, words, j):
+        for k in range(4):
+            lo, hi = pair(words[4 * j + k])
+            vals[8 * j + 2 * k] = lo
+            vals[8 * j + 2 * k + 1] = hi
+
+    @cuda.jit(device=True)
+    def encode_store(a, row, c, vals, j):
+        store_u32x4(a, row, c, (pack(vals[8 * j + 1], vals[8 * j]), pack(vals[8 * j + 3], vals[8 * j + 2]),
+                                pack(vals[8 * j + 5], vals[8 * j + 4]), pack(vals[8 * j + 7], vals[8 * j + 6])))
+
+    @cuda.jit(device=True)
+    def fp8_store(a, row, c, vals, j):
+        b = 8 * j
+        lo = (int(pack_e4m3x2(vals[b + 3], vals[b + 2])) << 16) | int(pack_e4m3x2(vals[b + 1], vals[b]))
+        hi = (int(pack_e4m3x2(vals[b + 7], vals[b + 6])) << 16) | int(pack_e4m3x2(vals[b + 5], vals[b + 4]))
+        store_u32x2(a, row, c >> 1, (lo, hi))
+
+    @cuda.jit(device=True)
+    def load_words(words, a, row, tid, nt, nv):
+        for j in range(vpt):
+            v = tid + j * nt
+            if v < nv:
+                w = load_u32x4(a, row, v << 2)
+                for k in range(4):
+                    words[4 * j + k] = w[k]
+            else:  # units past the row: zeros, never read back
+                for k in range(4):
+                    words[4 * j + k] = 0
+
+    def kernel(out, x, residual, weight, scales, scale, eps, H, flags):
+        row = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        nv = H >> 3
+        xw = cuda.local.array(NW, uint32)
+        ww = cuda.local.array(NW, uint32)
+        vals = cuda.local.array(NS, float32)
+        wv = cuda.local.array(NS, float32)
+        # pass 1: every load of the row (and of the weight) in flight at once, then the sum
+        # of squares; the weight words wait in registers for pass 2
+        load_words(ww, weight, 0, tid, nt, nv)
+        load_words(xw, x, row, tid, nt, nv)
+        for j in range(vpt):
+            decode(vals, xw, j)
+        if RES:
+            load_words(xw, residual, row, tid, nt, nv)
+            for j in range(vpt):
+                decode(wv, xw, j)
+            for k in range(NS):
+                vals[k] += wv[k]
+                if ADD:
+                    vals[k] = rnd(vals[k])
+        ss = float64(0)
+        for j in range(vpt):
+            if tid + j * nt < nv:
+                for k in range(8):
+                    ss += float64(vals[8 * j + k]) * float64(vals[8 * j + k])
+                if ADD or DYN_RES:
+                    encode_store(residual, row, (tid + j * nt) << 2, vals, j)  # r(x + residual)
+        inv = inv_rms(block_sum64(ss), H, eps)
+        # pass 2: normalise in registers
+        for j in range(vpt):
+            decode(wv, ww, j)
+        amax = float32(0)
+        for j in range(vpt):
+            if tid + j * nt < nv:
+                for k in range(8):
+                    n = rnd(vals[8 * j + k] * inv) * wv[8 * j + k]
+                    if QUANT is not None:
+                        n = rnd(n)
+                        amax = fmax_nan(amax, abs(n))
+                    vals[8 * j + k] = n
+        q = float32(1.0)
+        rq = float32(1.0)
+        if QUANT == "dynamic":
+            q = _row_scale(block_max(amax), scale, flags)
+            rq = float32(1.0) / q
+            if tid == 0:
+                scales[row, 0] = q
+        elif QUANT == "static":
+            q = float32(1.0) / scale[0]
+        for j in range(vpt):
+            v = tid + j * nt
+            if v < nv:
+                if QUANT is None:
+                    encode_store(out, row, v << 2, vals, j)
+                else:
+                    for k in range(8):
+                        if QUANT == "dynamic":
+                            vals[8 * j + k] = _clamp_fp8(div_rn(vals[8 * j + k], q, rq))
+                        else:
+                            vals[8 * j + k] = _clamp_fp8(vals[8 * j + k] * q)
+                    fp8_store(out, row, v << 2, vals, j)
+
+    kernel.__name__ = f"norm_{variant}_{kind}_cached{vpt}"
     return kernel

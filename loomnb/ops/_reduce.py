@@ -1,15 +1,15 @@
-"""Block-wide reductions shared by every kernel (sum and NaN-dropping max over float32).
+"""Block-wide reductions shared by every kernel: a float64 sum and a NaN-dropping float32 max.
 
 On the GPU: a butterfly of warp shuffles (``shfl_xor``) inside each warp, the warp totals through
 32 floats of shared memory, then a second butterfly, so every thread of the block returns the
 total. Under numba's CUDA simulator (no warp shuffles) the same contract is met through shared
-memory. The order of additions differs from vLLM's CUB reduction, so results downstream of a sum
-agree with vLLM to fp32 rounding, not bit for bit (see ``tests/tolerances.py``).
+memory. Sums are float64, so their rounding to float32 does not depend on the order of additions
+(see ``ops._norm_kernels.inv_rms``); ``block_max`` takes non-negative values (0 pads).
 
 Block sizes must be multiples of 32, at most 1024.
 """
 
-from numba import cuda, float32
+from numba import cuda, float32, float64
 
 from .._numba_internals import SIM
 
@@ -26,17 +26,17 @@ def fmax_nan(a, b):
 
 if SIM:
     @cuda.jit(device=True)
-    def block_sum(v):
-        """Sum of ``v`` over the block, returned to every thread (simulator path)."""
-        sm = cuda.shared.array(1024, float32)
+    def block_sum64(v):
+        """float64 sum of ``v`` over the block, returned to every thread (simulator path)."""
+        sm = cuda.shared.array(1024, float64)
         tid = cuda.threadIdx.x
         sm[tid] = v
         cuda.syncthreads()
-        s = float32(0)
+        s = float64(0)
         for i in range(cuda.blockDim.x):
             s += sm[i]
         cuda.syncthreads()
-        return float32(s)
+        return float64(s)
 
     @cuda.jit(device=True)
     def block_max(v):
@@ -64,16 +64,16 @@ else:
         return v
 
     @cuda.jit(device=True)
-    def block_sum(v):
-        """Sum of ``v`` over the block, returned to every thread."""
-        sm = cuda.shared.array(32, float32)
+    def block_sum64(v):
+        """float64 sum of ``v`` over the block, returned to every thread."""
+        sm = cuda.shared.array(32, float64)
         lane = cuda.threadIdx.x & 31
         warp = cuda.threadIdx.x >> 5
         v = _warp_sum(v)
         if lane == 0:
             sm[warp] = v
         cuda.syncthreads()
-        v = sm[lane] if lane < (cuda.blockDim.x >> 5) else float32(0)
+        v = sm[lane] if lane < (cuda.blockDim.x >> 5) else float64(0)
         v = _warp_sum(v)
         cuda.syncthreads()  # sm may be reused by the next reduction
         return v

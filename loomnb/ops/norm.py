@@ -24,7 +24,9 @@ from .._numba_internals import SIM, FastKernel, array_params, sim_device_array
 from ..checks import (check_contiguous, check_eps, check_kind, check_last_contiguous,
                       check_ndim, check_not_aliased, check_rows_non_overlapping,
                       check_same_device, check_same_kind, check_shape, fail_value)
-from ._norm_kernels import FLAG_SCALE_UB, make_scalar_kernel, make_vector_kernel
+from ._norm_kernels import FLAG_SCALE_UB, make_cached_kernel, make_scalar_kernel, make_vector_kernel
+
+CACHED_VPT = (1, 2, 4, 8)  # 16-byte units a thread of the cached kernel may hold
 
 ACT_KINDS = ("bf16", "f16", "f32")
 _STORAGE = {"bf16": types.uint16, "f16": types.uint16, "f32": types.float32, "fp8": types.uint8}
@@ -47,12 +49,17 @@ def kernel_argtypes(kind, variant, vector):
     return arrays + (_F32_2D, _F32_1D, types.float32, types.int64, types.int64)
 
 
-def get_kernel(kind, variant, vector):
-    """The (cached) kernel for one specialisation: a FastKernel on a GPU, a dispatcher in the simulator."""
-    key = (kind, variant, vector)
+def get_kernel(kind, variant, vector, vpt=0):
+    """The kernel for one specialisation, compiled once: a FastKernel on a GPU, a dispatcher in
+    the simulator. ``vpt > 0`` selects the register-cached vector kernel with ``vpt`` units a thread.
+    """
+    key = (kind, variant, vector, vpt)
     k = _kernels.get(key)
     if k is None:
-        pyfunc = (make_vector_kernel if vector else make_scalar_kernel)(kind, variant)
+        if vpt:
+            pyfunc = make_cached_kernel(kind, variant, vpt)
+        else:
+            pyfunc = (make_vector_kernel if vector else make_scalar_kernel)(kind, variant)
         disp = cuda.jit(pyfunc)
         k = disp if SIM else FastKernel(disp, kernel_argtypes(kind, variant, vector), pyfunc.__name__)
         _kernels[key] = k
@@ -101,13 +108,34 @@ def _rows(op, name, a):
                   a.ptr, a.device)
 
 
+def launch_config(hidden_size, vector, threads=None):
+    """(threads per block, units a thread holds) for one row of ``hidden_size``.
+
+    Vector rows use the register-cached kernel: about 4 units of 16 bytes a thread (all in flight
+    at once) for long rows, fewer for short ones, at least 32 and at most 1024 threads; rows
+    too long for 8 units x 1024 threads stream (vpt 0). Scalar rows take min(hidden_size, 1024)
+    threads, rounded up to a warp, like vLLM.
+    """
+    ceil32 = lambda n: max(32, -(-n // 32) * 32)  # noqa: E731
+    if not vector:
+        return (threads or min(1024, ceil32(hidden_size))), 0
+    nv = hidden_size // 8
+    if threads:
+        vpt = -(-nv // threads)
+        return threads, next((v for v in CACHED_VPT if v >= vpt), 0)
+    for vpt in ((4, 8) if nv >= 256 else (2, 4, 8) if nv >= 64 else CACHED_VPT):
+        t = ceil32(-(-nv // vpt))
+        if t <= 1024:
+            return t, vpt
+    return 1024, 0
+
+
 def _launch(variant, out, x, residual, weight, scales, scale, eps, flags, stream):
-    """Grid/block arithmetic and the launch: one block per token, a row walked in steps."""
+    """Grid/block arithmetic and the launch: one block per token (row)."""
     num_tokens, hidden_size = x.shape
     vector = vector_ok(out, x, residual, weight)
-    per_step = 8 if vector else 1
-    threads = _threads_override or min(1024, max(32, -(-hidden_size // per_step + 31) // 32 * 32))
-    kern = get_kernel(x.kind, variant, vector)
+    threads, vpt = launch_config(hidden_size, vector, _threads_override)
+    kern = get_kernel(x.kind, variant, vector, vpt)
     res = residual if residual is not None else x
     if SIM:
         views = [a.sim_view(words=vector).reshape(a.shape[0], -1) for a in (out, x, res)]

@@ -10,9 +10,10 @@ Rounding points exactly as in ``shared/reference/vllm-operator-semantics.md`` se
   ``n = f(r(f(r(s*inv)) * f(w)))``, ``scale = max(min(amax(|n|), scale_ub)/448, 1/(448*512))``,
   ``q = e4m3(clamp(n / scale))`` with a true division.
 
-The sum of squares is taken in float32 (NumPy's pairwise order) and ``rsqrt`` exactly
-(float64, rounded to float32); the GPU uses a different summation order and ``rsqrt.approx``,
-so outputs downstream of the reduction agree to a documented tolerance, not bit for bit.
+``inv`` is ``r32(1 / sqrt(sum(s^2) / H + eps))`` evaluated in float64, exactly as the kernels
+do it (vLLM: a float32 reduction and ``rsqrtf``; see ``loomnb.ops._norm_kernels.inv_rms`` for
+why loomnb differs there). A float64 sum rounds to the same float32 in any order except within
+~1e-16 of a rounding boundary, so kernels and oracle agree bit for bit in practice.
 Arguments are NumPy arrays (bf16 as ``ml_dtypes.bfloat16``); ``stream`` is accepted and ignored
 so the signatures equal the ops'.
 """
@@ -30,10 +31,11 @@ def _rows(a):
 
 
 def _inv_rms(s, eps):
-    """rsqrt(mean(s^2) + eps) per row, float32 in, float32 out."""
-    ss = np.sum(s * s, axis=-1, dtype=np.float32, keepdims=True)
-    mean = ss / np.float32(s.shape[-1])
-    return (1.0 / np.sqrt((mean + np.float32(eps)).astype(np.float64))).astype(np.float32)
+    """``r32(1 / sqrt(sum(s^2) / H + eps))`` per row in float64 (the kernels' ``inv_rms``)."""
+    s64 = s.astype(np.float64)
+    ss = np.sum(s64 * s64, axis=-1, keepdims=True)
+    eps64 = np.float64(np.float32(eps))
+    return (1.0 / np.sqrt(ss / np.float64(s.shape[-1]) + eps64)).astype(np.float32)
 
 
 def _normed(s, weight, eps, dtype):
