@@ -231,6 +231,36 @@ def header(metas) -> list[str]:
     return lines
 
 
+def extra_sections(results_dir: Path) -> list[str]:
+    """The newest eager-overhead (bench_overhead.py) and decode-TPOT (bench_decode.py) results."""
+    def newest_or_none(pattern):
+        try:
+            return newest(results_dir, pattern)
+        except SystemExit:
+            return None
+
+    lines = []
+    path = newest_or_none("overhead_*.json")
+    if path is not None:
+        data = json.loads(path.read_text())
+        lines += ["", f"### Eager per-call host overhead — `{path.name}` ({data['gpu']}, torch {data['torch']})",
+                  "", "1 x 4096 bf16; wall time of N calls / N, no synchronisation inside the loop.", "",
+                  "| call | µs per call |", "|---|---:|"]
+        lines += [f"| `{name}` | {us:.2f} |" for name, us in data["us_per_call"].items()]
+    path = newest_or_none("decode_*.json")
+    if path is not None:
+        data = json.loads(path.read_text())
+        lines += ["", f"### SmolLM2-135M decode step (TPOT) — `{path.name}`", "",
+                  f"{data['model']}, {data['steps']} decode steps after prefill; graphed = the whole "
+                  "step (bookkeeping included) in one CUDA graph.", "",
+                  "| batch | backend | mode | TPOT ms | tokens/s | tokens identical (all 4 runs) |",
+                  "|---:|---|---|---:|---:|---|"]
+        lines += [f"| {r['batch']} | {r['backend']} | {'graph' if r['graphed'] else 'eager'} | "
+                  f"{r['tpot_ms']:.3f} | {r['tokens_per_s']:.0f} | {r['tokens_identical']} |"
+                  for r in data["rows"]]
+    return lines
+
+
 def main(argv=None) -> Path:
     ap = argparse.ArgumentParser(description="Summarise benchmark JSON into SUMMARY.md + plots")
     ap.add_argument("files", nargs="*", type=Path, help="result JSON files (default: newest)")
@@ -249,6 +279,7 @@ def main(argv=None) -> Path:
     for sel in dict.fromkeys(k[:4] for k in agg):
         plots = [] if args.no_plots else plot(agg, sel, out_dir, copy)
         lines += op_section(agg, sel, plots)
+    lines += extra_sections(args.results_dir)
     md = out_dir / "SUMMARY.md"
     md.write_text("\n".join(lines) + "\n")
     print(f"wrote {md}" + ("" if args.no_plots else " and plots"))

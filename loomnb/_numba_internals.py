@@ -249,3 +249,31 @@ class FastKernel:
             err = launch(func, grid, 1, 1, block, 1, 1, 0, stream_handle, self._ptrs_addr, None)
         if err:
             raise RuntimeError(f"loomnb: cuLaunchKernel({self.name}) failed with CUresult {err}")
+
+    def prepare(self, device_index, grid, block, params):
+        """A :class:`PreparedLaunch`: the parameters packed once, replayable on any stream."""
+        return PreparedLaunch(self, self._handles.get(device_index) or self.compile(device_index),
+                              grid, block, params)
+
+
+class PreparedLaunch:
+    """One kernel launch with fixed arguments, packed once; ``launch(stream)`` only calls the
+    driver. The stream is a per-call argument (never stored), so graph capture sees each launch.
+    The packed block is read-only after construction, so concurrent launches need no lock."""
+
+    __slots__ = ("kernel", "func", "grid", "block", "_buf", "_ptrs", "_ptrs_addr")
+
+    def __init__(self, kernel, func, grid, block, params):
+        self.kernel, self.func, self.grid, self.block = kernel, func, grid, block
+        n = kernel._nparams
+        self._buf = ctypes.create_string_buffer(8 * n)
+        struct.pack_into(kernel._fmt, self._buf, 0, *params)
+        base = ctypes.addressof(self._buf)
+        self._ptrs = (ctypes.c_void_p * n)(*[base + 8 * i for i in range(n)])
+        self._ptrs_addr = ctypes.addressof(self._ptrs)
+
+    def launch(self, stream_handle):
+        launch = FastKernel._libcuda or FastKernel._driver()
+        err = launch(self.func, self.grid, 1, 1, self.block, 1, 1, 0, stream_handle, self._ptrs_addr, None)
+        if err:
+            raise RuntimeError(f"loomnb: cuLaunchKernel({self.kernel.name}) failed with CUresult {err}")

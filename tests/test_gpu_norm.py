@@ -365,3 +365,21 @@ def test_reciprocal_division_equals_ieee_division():
     out, ref = cuda.device_array(n, np.float32), cuda.device_array(n, np.float32)
     k[(n + 255) // 256, 256](cuda.to_device(a), cuda.to_device(b), out, ref)
     assert np.array_equal(out.copy_to_host().view(np.uint32), ref.copy_to_host().view(np.uint32))
+
+
+def test_eager_fast_path_replays_validated_calls_only():
+    """A repeated call with the same tensor metadata replays the prepared launch (a cache hit),
+    reads the tensors' current contents, and a call with new metadata is validated again."""
+    x, w = rand((4, 576), "bf16", seed=1), rand((576,), "bf16", seed=2)
+    out = torch.empty_like(x)
+    norm_ops.clear_launch_cache()
+    loomnb.rms_norm(x, w, EPS, out=out)
+    hits = norm_ops.launch_cache_info()["hits"]
+    x.copy_(rand((4, 576), "bf16", seed=3))
+    loomnb.rms_norm(x, w, EPS, out=out)
+    assert norm_ops.launch_cache_info()["hits"] == hits + 1
+    assert_ulps(to_np(out), loomnb.oracle.rms_norm(to_np(x), to_np(w), EPS), ulps("norm", "bf16"), "replayed")
+    with pytest.raises(loomnb.LoomnbValueError, match="argument 'out' must be of shape"):
+        loomnb.rms_norm(x, w, EPS, out=out[:3])  # new metadata: checked, rejected
+    with pytest.raises(loomnb.LoomnbValueError, match="argument 'eps'"):
+        loomnb.rms_norm(x, w, -1.0, out=out)

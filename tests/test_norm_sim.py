@@ -100,28 +100,42 @@ def test_block_size_sweep(threads, hidden_size):
     assert_ulps(got, loomnb.oracle.rms_norm(x, w, EPS), ulps("norm", "bf16"), f"threads={threads}")
 
 
+def _check_variant_with_32_threads(variant, num_tokens, hidden_size, seed):
+    """Run ``variant`` with 32 threads a block and compare it with the oracle."""
+    rng = np.random.default_rng(seed)
+    x = random_rows(rng, num_tokens, hidden_size, "bf16", 2.0)
+    w = random_rows(rng, 1, hidden_size, "bf16")[0]
+    r = random_rows(rng, num_tokens, hidden_size, "bf16")
+    xo, ro = x.copy(), r.copy()
+    with norm_ops.force_num_threads(32):
+        if variant == "rms":
+            assert_ulps(loomnb.rms_norm(x, w, EPS), loomnb.oracle.rms_norm(x, w, EPS), ulps("norm", "bf16"), variant)
+        elif variant == "add":
+            loomnb.fused_add_rms_norm(x, r, w, EPS)
+            loomnb.oracle.fused_add_rms_norm(xo, ro, w, EPS)
+            assert_ulps(x, xo, ulps("norm", "bf16"), variant)
+        else:
+            q, s = loomnb.rms_norm_dynamic_per_token_quant(x, w, EPS, residual=r)
+            qo, so = loomnb.oracle.rms_norm_dynamic_per_token_quant(x, w, EPS, residual=ro)
+            assert_fp8_codes(q, qo, ulps("norm_fp8", "fp8"), variant)
+            np.testing.assert_array_equal(s, so)
+    assert np.array_equal(r.view(np.uint16), ro.view(np.uint16)), "residual is exact"
+
+
+@pytest.mark.parametrize("hidden_size, vpt", [(512, 2), (1024, 4), (2048, 8)])
+@pytest.mark.parametrize("variant", ["rms", "add", "dynamic"])
+def test_cached_kernel_units_per_thread(hidden_size, vpt, variant):
+    """Each register-cached width (units of 16 bytes a thread) against the oracle."""
+    assert norm_ops.launch_config(hidden_size, True, 32) == (32, vpt)
+    _check_variant_with_32_threads(variant, 2, hidden_size, vpt)
+
+
 @pytest.mark.parametrize("variant", ["rms", "add", "dynamic"])
 def test_streaming_vector_kernel(variant):
     """Rows too long for the register-cached kernel stream through the vector kernel."""
-    rng = np.random.default_rng(9)
     hidden_size = 8 * 257  # 257 units of 16 bytes: more than 8 units x 32 threads
     assert norm_ops.launch_config(hidden_size, True, 32) == (32, 0)
-    x = random_rows(rng, 1, hidden_size, "bf16", 2.0)
-    w = random_rows(rng, 1, hidden_size, "bf16")[0]
-    r = random_rows(rng, 1, hidden_size, "bf16")
-    with norm_ops.force_num_threads(32):
-        if variant == "rms":
-            assert_ulps(loomnb.rms_norm(x, w, EPS), loomnb.oracle.rms_norm(x, w, EPS), ulps("norm", "bf16"), "stream")
-        elif variant == "add":
-            xo, ro = x.copy(), r.copy()
-            loomnb.fused_add_rms_norm(x, r, w, EPS)
-            loomnb.oracle.fused_add_rms_norm(xo, ro, w, EPS)
-            assert np.array_equal(r.view(np.uint16), ro.view(np.uint16))
-            assert_ulps(x, xo, ulps("norm", "bf16"), "stream add")
-        else:
-            q, s = loomnb.rms_norm_dynamic_per_token_quant(x, w, EPS)
-            qo, so = loomnb.oracle.rms_norm_dynamic_per_token_quant(x, w, EPS)
-            assert_fp8_codes(q, qo, ulps("norm_fp8", "fp8"), "stream dynamic")
+    _check_variant_with_32_threads(variant, 1, hidden_size, 9)
 
 
 def test_strided_rows_and_in_place():

@@ -71,10 +71,12 @@ def force_num_threads(n):
     """Test hook: launch every norm kernel with ``n`` threads per block (a multiple of 32)."""
     global _threads_override
     old, _threads_override = _threads_override, n
+    _launch_cache.clear()
     try:
         yield
     finally:
         _threads_override = old
+        _launch_cache.clear()
 
 
 def vector_ok(*arrs):
@@ -108,13 +110,19 @@ def _rows(op, name, a):
                   a.ptr, a.device)
 
 
-def launch_config(hidden_size, vector, threads=None):
+SMALL_BATCH = 256  # about two rows per SM on an H200 (132 SMs): latency-bound
+
+
+def launch_config(hidden_size, vector, threads=None, num_tokens=None):
     """(threads per block, units a thread holds) for one row of ``hidden_size``.
 
-    Vector rows use the register-cached kernel: about 4 units of 16 bytes a thread (all in flight
-    at once) for long rows, fewer for short ones, at least 32 and at most 1024 threads; rows
-    too long for 8 units x 1024 threads stream (vpt 0). Scalar rows take min(hidden_size, 1024)
-    threads, rounded up to a warp, like vLLM.
+    Vector rows use the register-cached kernel. Large batches: about 4 units of 16 bytes a
+    thread (all in flight at once), fewer for short rows -- at 16384 x 4096 bf16 that (128
+    threads) beat 64/256/512/1024 by 3-40% on the H200. Small batches (``num_tokens <=
+    SMALL_BATCH``) are latency-bound: one unit a thread where the row allows (512 threads at
+    4096), 5-10% faster there. At least 32 and at most 1024 threads; rows too long for 8 units x
+    1024 threads stream (vpt 0). Scalar rows take min(hidden_size, 1024) threads, rounded up to
+    a warp, like vLLM. Measurements: ``benchmarks/results/launch_config_sweep_*.log``.
     """
     ceil32 = lambda n: max(32, -(-n // 32) * 32)  # noqa: E731
     if not vector:
@@ -123,18 +131,24 @@ def launch_config(hidden_size, vector, threads=None):
     if threads:
         vpt = -(-nv // threads)
         return threads, next((v for v in CACHED_VPT if v >= vpt), 0)
-    for vpt in ((4, 8) if nv >= 256 else (2, 4, 8) if nv >= 64 else CACHED_VPT):
+    small = num_tokens is not None and num_tokens <= SMALL_BATCH
+    for vpt in (CACHED_VPT if small or nv < 64 else (4, 8) if nv >= 256 else (2, 4, 8)):
         t = ceil32(-(-nv // vpt))
         if t <= 1024:
             return t, vpt
     return 1024, 0
 
 
-def _launch(variant, out, x, residual, weight, scales, scale, eps, flags, stream):
-    """Grid/block arithmetic and the launch: one block per token (row)."""
+def _launch(variant, out, x, residual, weight, scales, scale, eps, flags, stream, key=None):
+    """Grid/block arithmetic and the launch: one block per token (row).
+
+    On a GPU the launch is prepared once (parameters packed) and, when ``key`` (a torch call's
+    signature, see :func:`_torch_key`) is given, remembered so the next identical call skips the
+    checks and the packing. In the simulator the kernel runs on the NumPy arrays at once.
+    """
     num_tokens, hidden_size = x.shape
     vector = vector_ok(out, x, residual, weight)
-    threads, vpt = launch_config(hidden_size, vector, _threads_override)
+    threads, vpt = launch_config(hidden_size, vector, _threads_override, num_tokens)
     kern = get_kernel(x.kind, variant, vector, vpt)
     res = residual if residual is not None else x
     if SIM:
@@ -155,9 +169,69 @@ def _launch(variant, out, x, residual, weight, scales, scale, eps, flags, stream
               + (array_params(scale.ptr, (1,), (4,), 4) if scale is not None
                  else array_params(0, (0,), (0,), 4))
               + (eps, hidden_size, flags))
-    s = ad.stream_handle(x, stream)
     with ad.device_guard(x):
-        kern.launch(x.device, num_tokens, threads, s, params)
+        prepared = kern.prepare(x.device, num_tokens, threads, params)
+        prepared.launch(ad.stream_handle(x, stream))
+    if key is not None:
+        if len(_launch_cache) >= LAUNCH_CACHE_SIZE:
+            _launch_cache.clear()
+        _launch_cache[key] = (prepared, x.device)
+
+
+# --- the eager fast path for torch tensors ---------------------------------------------------
+# A call whose arguments have exactly the metadata of an earlier, validated call (same data
+# pointers, dtypes, shapes, strides, device, eps) would pass the same checks and pack the same
+# kernel parameters, so it replays the prepared launch on the current stream (looked up at every
+# call). Inspect with launch_cache_info(); clear_launch_cache() empties it.
+
+LAUNCH_CACHE_SIZE = 1024
+_launch_cache = {}
+_cache_stats = {"hits": 0, "misses": 0}
+
+
+def launch_cache_info():
+    """Counters of the eager fast path: ``{"hits", "misses", "size"}``."""
+    return dict(_cache_stats, size=len(_launch_cache))
+
+
+def clear_launch_cache():
+    _launch_cache.clear()
+
+
+def _torch_key(op, args, stream):
+    """The fast-path key of a call whose array arguments are torch tensors (or None)."""
+    torch = ad._torch
+    if torch is None or stream is not None:
+        return None
+    key = [op]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.data_ptr(), a.dtype, a.shape, a.stride(), a.get_device()))
+        elif a is None or type(a) in (float, int):
+            key.append(a)
+        else:
+            return None
+    return tuple(key)
+
+
+def _replay(key):
+    """Launch the remembered call for ``key``; False if there is none for the current device."""
+    hit = _launch_cache.get(key)
+    torch = ad._torch
+    if hit is None or torch._C._cuda_getDevice() != hit[1]:
+        _cache_stats["misses"] += 1
+        return False
+    _cache_stats["hits"] += 1
+    hit[0].launch(torch._C._cuda_getCurrentRawStream(hit[1]))
+    return True
+
+
+def _torch_empty(like, shape=None, dtype=None):
+    """Allocate an output before the checks (fast path): only for torch tensors."""
+    torch = ad._torch
+    if torch is None or not isinstance(like, torch.Tensor):
+        return None
+    return torch.empty(like.shape if shape is None else shape, dtype=dtype or like.dtype, device=like.device)
 
 
 def _check_act(op, x_obj, weight_obj, eps):
@@ -233,13 +307,18 @@ def rms_norm(x, weight, eps, out=None, *, stream=None):
     contract (HF ``LlamaRMSNorm``); vLLM 0.24.0's compiled op rounds once. NaN propagates; an
     ``inf`` element makes its row's ``inv = 0`` (that element NaN, the others 0).
     """
+    if out is None:
+        out = _torch_empty(x)
+    key = _torch_key("rms", (x, weight, out, eps), stream)
+    if key is not None and _replay(key):
+        return out
     op = "loomnb.rms_norm"
     xa, wa, eps = _check_act(op, x, weight, eps)
     if out is None:
         out = ad.empty(xa, tuple(xa.obj.shape), xa.kind)
     oa = _check_out(op, out, xa, wa, xa.kind)
     if xa.shape[0]:
-        _launch("rms", oa, xa, None, wa, None, None, eps, 0, stream)
+        _launch("rms", oa, xa, None, wa, None, None, eps, 0, stream, key)
     return out
 
 
@@ -261,13 +340,16 @@ def fused_add_rms_norm(x, residual, weight, eps, *, stream=None):
     ``torch.ops._C.fused_add_rms_norm(input, residual, weight, epsilon)`` (two-rounding contract;
     vLLM 0.24.0's compiled op rounds the output once).
     """
+    key = _torch_key("add", (x, residual, weight, eps), stream)
+    if key is not None and _replay(key):
+        return x, residual
     op = "loomnb.fused_add_rms_norm"
     xa, wa, eps = _check_act(op, x, weight, eps)
     check_rows_non_overlapping(op, "x", xa)
     check_not_aliased(op, "x", xa, "weight", wa)
     ra = _check_residual(op, xa, residual, wa)
     if xa.shape[0]:
-        _launch("add", xa, xa, ra, wa, None, None, eps, 0, stream)
+        _launch("add", xa, xa, ra, wa, None, None, eps, 0, stream, key)
     return x, residual
 
 
@@ -287,6 +369,11 @@ def rms_norm_static_fp8_quant(out, x, weight, scale, eps, *, stream=None):
     Returns ``out``. Mutates ``out``. A NaN becomes +448 (``fminf``/``fmaxf`` clamp), like vLLM.
     Matches vLLM ``torch.ops._C.rms_norm_static_fp8_quant(out, input, weight, scale, epsilon)``.
     """
+    if out is None and ad._torch is not None:
+        out = _torch_empty(x, dtype=ad._torch.float8_e4m3fn)
+    key = _torch_key("static", (out, x, weight, scale, eps), stream)
+    if key is not None and _replay(key):
+        return out
     op = "loomnb.rms_norm_static_fp8_quant"
     xa, wa, eps = _check_act(op, x, weight, eps)
     sa = _check_scale(op, "scale", scale, xa)
@@ -294,7 +381,7 @@ def rms_norm_static_fp8_quant(out, x, weight, scale, eps, *, stream=None):
         out = ad.empty(xa, tuple(xa.obj.shape), "fp8")
     oa = _check_out(op, out, xa, wa, "fp8")
     if xa.shape[0]:
-        _launch("static", oa, xa, None, wa, None, sa, eps, 0, stream)
+        _launch("static", oa, xa, None, wa, None, sa, eps, 0, stream, key)
     return out
 
 
@@ -307,6 +394,11 @@ def fused_add_rms_norm_static_fp8_quant(out, x, residual, weight, scale, eps, *,
     Matches vLLM ``torch.ops._C.fused_add_rms_norm_static_fp8_quant(out, input, residual,
     weight, scale, epsilon)``.
     """
+    if out is None and ad._torch is not None:
+        out = _torch_empty(x, dtype=ad._torch.float8_e4m3fn)
+    key = _torch_key("add_static", (out, x, residual, weight, scale, eps), stream)
+    if key is not None and _replay(key):
+        return out, residual
     op = "loomnb.fused_add_rms_norm_static_fp8_quant"
     xa, wa, eps = _check_act(op, x, weight, eps)
     sa = _check_scale(op, "scale", scale, xa)
@@ -316,7 +408,7 @@ def fused_add_rms_norm_static_fp8_quant(out, x, residual, weight, scale, eps, *,
     oa = _check_out(op, out, xa, wa, "fp8")
     check_not_aliased(op, "out", oa, "residual", ra)
     if xa.shape[0]:
-        _launch("add_static", oa, xa, ra, wa, None, sa, eps, 0, stream)
+        _launch("add_static", oa, xa, ra, wa, None, sa, eps, 0, stream, key)
     return out, residual
 
 
@@ -342,6 +434,14 @@ def rms_norm_dynamic_per_token_quant(x, weight, eps, scale_ub=None, residual=Non
     as +448. Matches vLLM ``ops.rms_norm_dynamic_per_token_quant(input, weight, epsilon,
     quant_dtype=float8_e4m3fn, scale_ub, residual)`` (the int8 output is not supported).
     """
+    if ad._torch is not None and isinstance(x, ad._torch.Tensor) and x.ndim >= 1:
+        if out is None:
+            out = _torch_empty(x, dtype=ad._torch.float8_e4m3fn)
+        if scales is None:
+            scales = _torch_empty(x, shape=(x.numel() // max(x.shape[-1], 1), 1), dtype=ad._torch.float32)
+    key = _torch_key("dynamic", (x, weight, eps, scale_ub, residual, out, scales), stream)
+    if key is not None and _replay(key):
+        return out, scales
     op = "loomnb.rms_norm_dynamic_per_token_quant"
     xa, wa, eps = _check_act(op, x, weight, eps)
     ua = _check_scale(op, "scale_ub", scale_ub, xa) if scale_ub is not None else None
@@ -364,5 +464,5 @@ def rms_norm_dynamic_per_token_quant(x, weight, eps, scale_ub=None, residual=Non
         check_not_aliased(op, "out", oa, "residual", ra)
     if num_tokens:
         variant = "dynamic_res" if ra is not None else "dynamic"
-        _launch(variant, oa, xa, ra, wa, sa, ua, eps, FLAG_SCALE_UB if ua is not None else 0, stream)
+        _launch(variant, oa, xa, ra, wa, sa, ua, eps, FLAG_SCALE_UB if ua is not None else 0, stream, key)
     return out, scales

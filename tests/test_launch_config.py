@@ -1,0 +1,35 @@
+"""Launch arithmetic of the norm kernels: every configuration covers the row, within CUDA limits.
+
+Correctness must not depend on the configuration (the simulator and GPU tests sweep it); this
+checks the arithmetic itself, for the hidden sizes of common models and awkward ones.
+"""
+
+import pytest
+
+from loomnb.ops.norm import CACHED_VPT, SMALL_BATCH, launch_config
+
+
+@pytest.mark.parametrize("hidden_size", [8, 72, 576, 2048, 4096, 5120, 8192, 12288, 16384, 65536, 65544])
+@pytest.mark.parametrize("num_tokens", [1, SMALL_BATCH, SMALL_BATCH + 1, 16384])
+def test_vector_config_covers_the_row(hidden_size, num_tokens):
+    threads, vpt = launch_config(hidden_size, True, None, num_tokens)
+    assert threads % 32 == 0 and 32 <= threads <= 1024
+    if vpt:
+        assert vpt in CACHED_VPT and threads * vpt * 8 >= hidden_size
+    else:
+        assert threads == 1024 and 1024 * max(CACHED_VPT) * 8 < hidden_size  # streams
+
+
+def test_small_batches_hold_fewer_units_per_thread():
+    assert launch_config(4096, True, None, 1) == (512, 1)
+    assert launch_config(4096, True, None, 16384) == (128, 4)
+
+
+@pytest.mark.parametrize("hidden_size", [1, 19, 1000, 5000])
+def test_scalar_config_is_vllms(hidden_size):
+    assert launch_config(hidden_size, False) == (min(1024, max(32, -(-hidden_size // 32) * 32)), 0)
+
+
+def test_forced_threads():
+    assert launch_config(4096, True, 256) == (256, 2)
+    assert launch_config(8 * 257, True, 32) == (32, 0)
