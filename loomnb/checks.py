@@ -6,6 +6,8 @@ coerces: a wrong dtype or layout is rejected, never silently cast or copied.
 
 from __future__ import annotations
 
+import numpy as np
+
 
 class LoomnbError(Exception):
     """Base class of loomnb's errors."""
@@ -42,7 +44,7 @@ def check_same_kind(op, name, arr, ref_name, ref):
 
 def check_ndim(op, name, arr, ndim):
     if arr.ndim != ndim:
-        fail_value(op, name, f"{ndim}-D", f"a {arr.ndim}-D array of shape {arr.shape}")
+        fail_value(op, name, f"{ndim}-D", f"a {arr.ndim}-D array of shape {list(arr.shape)}")
 
 
 def check_shape(op, name, arr, shape, dims):
@@ -83,10 +85,9 @@ def check_not_aliased(op, name, arr, other_name, other):
 
 
 def check_eps(op, eps):
-    try:
-        e = float(eps)
-    except (TypeError, ValueError):
+    if isinstance(eps, (bool, str, bytes)) or not isinstance(eps, (int, float, np.integer, np.floating)):
         fail_type(op, "eps", "a real number", repr(eps))
+    e = float(eps)
     if not (e >= 0.0) or e == float("inf"):
         fail_value(op, "eps", "finite and >= 0", repr(eps))
     return e

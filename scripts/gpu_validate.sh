@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU validation on a machine with a CUDA GPU and no network (the H200 of shared/gpu-environment.md):
+# GPU validation on a machine with a CUDA GPU and no network (the H200 of ../shared/gpu-environment.md):
 # the plain test pass on real hardware, then compute-sanitizer memcheck on the kernel tests.
 # Wheels in .whl/ (numpy 2.4.x for numba-cuda 0.30.4, gguf, ...) are installed ahead of the
 # system packages. Logs go to $OUT (default ./gpu-logs).

@@ -74,3 +74,10 @@ def test_partial_overlap_of_out_is_rejected_but_exact_in_place_is_fine():
 
 def test_errors_are_value_and_type_errors():
     assert issubclass(LoomnbValueError, ValueError) and issubclass(LoomnbTypeError, TypeError)
+
+
+@pytest.mark.parametrize("eps", ["1e-6", True, None, 1j])
+def test_eps_must_be_a_real_number(eps):
+    x, w = _bf16(2, 16), _bf16(16, seed=1)
+    with pytest.raises(LoomnbTypeError, match="argument 'eps' must be a real number"):
+        loomnb.rms_norm(x, w, eps)

@@ -285,8 +285,9 @@ def _check_scale(op, name, scale_obj, x):
 def rms_norm(x, weight, eps, out=None, *, stream=None):
     """RMSNorm of each token: ``y = r(f(r(f(x) * inv)) * f(weight))``.
 
-    ``inv = rsqrtf(sum_i f(x_i)^2 / hidden_size + eps)`` per token, accumulated in float32;
-    ``f`` widens to float32, ``r`` rounds to the dtype of ``x`` (round to nearest even).
+    ``inv = r32(1 / sqrt(sum_i f(x_i)^2 / hidden_size + eps))`` per token, accumulated and
+    evaluated in float64 and rounded once to float32; ``f`` widens to float32, ``r`` rounds to the
+    dtype of ``x`` (round to nearest even).
 
     Args:
         x: ``[..., hidden_size]`` bf16, fp16 or fp32; last dimension contiguous, rows may be
@@ -306,6 +307,10 @@ def rms_norm(x, weight, eps, out=None, *, stream=None):
     Matches vLLM ``torch.ops._C.rms_norm(out, input, weight, epsilon)`` with the two-rounding
     contract (HF ``LlamaRMSNorm``); vLLM 0.24.0's compiled op rounds once. NaN propagates; an
     ``inf`` element makes its row's ``inv = 0`` (that element NaN, the others 0).
+
+    Differs from vLLM in ``inv``: vLLM takes ``rsqrtf`` of a float32 block reduction, whose
+    last bits depend on the block size and summation order; loomnb's float64 evaluation is
+    independent of both (batch-invariant) and bit-identical to ``loomnb.oracle.rms_norm``.
     """
     if out is None:
         out = _torch_empty(x)
@@ -416,8 +421,9 @@ def rms_norm_dynamic_per_token_quant(x, weight, eps, scale_ub=None, residual=Non
                                      out=None, scales=None, stream=None):
     """RMSNorm with a dynamic per-token FP8 E4M3 scale.
 
-    Per token: ``s = f(x)`` (``+ f(residual)``, kept in float32), ``inv = rsqrtf(mean(s^2) +
-    eps)``, ``n = f(r(f(r(s*inv)) * f(weight)))``, ``amax = max|n|`` (NaN ignored), clipped by
+    Per token: ``s = f(x)`` (``+ f(residual)``, kept in float32), ``inv = r32(1 / sqrt(mean(s^2)
+    + eps))`` evaluated in float64 (vLLM: ``rsqrtf`` of a float32 reduction; see
+    :func:`rms_norm`), ``n = f(r(f(r(s*inv)) * f(weight)))``, ``amax = max|n|`` (NaN ignored), clipped by
     ``scale_ub`` if given (it clips the amax, despite its name), ``scale = max(amax / 448,
     1/(448*512))``, ``out = e4m3(clamp(n / scale))`` with a true float32 division.
     With ``residual``: ``residual <- r(s)`` (the norm uses the unrounded fp32 sum -- unlike

@@ -1,7 +1,7 @@
 """CPU references (NumPy + ml_dtypes) with the same names and signatures as the ops.
 
 ``loomnb.oracle.<name>`` is the truth for ``loomnb.<name>``; see each function's docstring and
-``shared/reference/vllm-operator-semantics.md`` for the rounding points.
+``../shared/reference/vllm-operator-semantics.md`` (beside the repository) for the rounding points.
 """
 
 from .fp8 import clamp_fp8, e4m3_decode, e4m3_encode

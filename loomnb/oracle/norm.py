@@ -1,6 +1,6 @@
 """NumPy + ml_dtypes references for the RMSNorm family: the truth every test compares against.
 
-Rounding points exactly as in ``shared/reference/vllm-operator-semantics.md`` sections 1-3, with
+Rounding points exactly as in ``../shared/reference/vllm-operator-semantics.md`` (beside the repository) sections 1-3, with
 ``f`` = widen to float32 and ``r`` = round to the activation dtype T (RNE via ml_dtypes):
 
 * ``rms_norm``: ``inv = rsqrt(sum(f(x)^2) / H + eps)``, ``y = r(f(r(f(x)*inv)) * f(w))``;
