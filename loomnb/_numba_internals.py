@@ -151,6 +151,21 @@ def compile_ptx(pyfunc, argtypes, cc=(9, 0)):
     return ptx
 
 
+def device(fn):
+    """``@cuda.jit(device=True)`` on the GPU; under the simulator, the plain Python function.
+
+    For device functions that use no thread API (indices, shared memory, barriers): the
+    simulator wraps every call of a device function in a module swap guarded by two global
+    locks, and with one Python thread per CUDA thread those locks convoy with the GIL -- a
+    kernel that makes thousands of per-element calls could stall for minutes. Plain calls
+    compute the same thing without the locks.
+    """
+    if SIM:
+        return fn
+    from numba import cuda
+    return cuda.jit(device=True)(fn)
+
+
 def sim_device_array(ary):
     """Simulator only: present a NumPy array to a kernel without a copy-in/copy-out."""
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray

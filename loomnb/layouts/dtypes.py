@@ -26,37 +26,37 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, int32, uint32  # noqa: F401 (int32 used on the GPU path)
 
-from .._numba_internals import SIM
+from .._numba_internals import SIM, device
 
 if SIM:
-    @cuda.jit(device=True)
+    @device
     def f32_bits(x):
         """float32 -> its IEEE bit pattern as a non-negative integer < 2**32."""
         return int(np.float32(x).view(np.uint32))
 
-    @cuda.jit(device=True)
+    @device
     def bits_f32(b):
         """Bit pattern (integer < 2**32) -> float32."""
         return np.uint32(b & 0xFFFFFFFF).view(np.float32)
 
-    @cuda.jit(device=True)
+    @device
     def rsqrt(x):
         """1/sqrt(x) in float32 (the simulator's stand-in for ``rsqrt.approx.f32``)."""
         return np.float32(1.0) / np.sqrt(np.float32(x))
 else:
     from numba.cuda import libdevice
 
-    @cuda.jit(device=True)
+    @device
     def f32_bits(x):
         """float32 -> its IEEE bit pattern as a uint32."""
         return uint32(libdevice.float_as_int(x))
 
-    @cuda.jit(device=True)
+    @device
     def bits_f32(b):
         """Bit pattern -> float32."""
         return libdevice.int_as_float(int32(b))
 
-    @cuda.jit(device=True)
+    @device
     def rsqrt(x):
         """``rsqrtf``: PTX ``rsqrt.approx.f32``, as vLLM's kernels use it."""
         return libdevice.rsqrtf(x)
@@ -64,13 +64,13 @@ else:
 
 # ---------------------------------------------------------------- bf16 --------------------
 
-@cuda.jit(device=True)
+@device
 def bf16_to_f32(h):
     """bf16 bits -> float32 (exact)."""
     return bits_f32((int(h) & 0xFFFF) << 16)
 
 
-@cuda.jit(device=True)
+@device
 def f32_to_bf16_portable(x):
     """float32 -> bf16 bits, round to nearest even; NaN -> 0x7FFF."""
     u = int(f32_bits(x))
@@ -81,7 +81,7 @@ def f32_to_bf16_portable(x):
 
 # ---------------------------------------------------------------- fp16 --------------------
 
-@cuda.jit(device=True)
+@device
 def f16_to_f32_portable(h):
     """fp16 bits -> float32 (exact, subnormals included)."""
     h = int(h)
@@ -96,7 +96,7 @@ def f16_to_f32_portable(h):
     return bits_f32(sign | ((e + 112) << 23) | (m << 13))
 
 
-@cuda.jit(device=True)
+@device
 def f32_to_f16_portable(x):
     """float32 -> fp16 bits, round to nearest even, overflow to inf; NaN -> 0x7FFF."""
     u = int(f32_bits(x))
@@ -115,7 +115,7 @@ def f32_to_f16_portable(x):
 
 # ---------------------------------------------------------------- fp8 e4m3 ----------------
 
-@cuda.jit(device=True)
+@device
 def e4m3_to_f32(c):
     """FP8 E4M3 (float8_e4m3fn) code -> float32 (exact); 0x7F/0xFF are NaN."""
     c = int(c)
@@ -130,7 +130,7 @@ def e4m3_to_f32(c):
     return bits_f32(sign | ((e + 120) << 23) | (m << 20))
 
 
-@cuda.jit(device=True)
+@device
 def f32_to_e4m3_portable(x):
     """float32 -> FP8 E4M3 code: RNE, saturate to +-448, NaN -> 0x7F (``__NV_SATFINITE``)."""
     u = int(f32_bits(x))
@@ -155,17 +155,17 @@ if SIM:
     f16_to_f32 = f16_to_f32_portable
     f32_to_e4m3 = f32_to_e4m3_portable
 
-    @cuda.jit(device=True)
+    @device
     def pack_bf16x2(hi, lo):
         """Two float32 -> one uint32 of two bf16 (``hi`` in the upper half)."""
         return (int(f32_to_bf16_portable(hi)) << 16) | int(f32_to_bf16_portable(lo))
 
-    @cuda.jit(device=True)
+    @device
     def pack_f16x2(hi, lo):
         """Two float32 -> one uint32 of two fp16 (``hi`` in the upper half)."""
         return (int(f32_to_f16_portable(hi)) << 16) | int(f32_to_f16_portable(lo))
 
-    @cuda.jit(device=True)
+    @device
     def pack_e4m3x2(hi, lo):
         """Two float32 -> 16 bits of two E4M3 codes (``hi`` in bits 15..8)."""
         return (int(f32_to_e4m3_portable(hi)) << 8) | int(f32_to_e4m3_portable(lo))
@@ -176,34 +176,34 @@ else:
     pack_f16x2 = cvt_f16x2
     pack_e4m3x2 = cvt_e4m3x2
 
-    @cuda.jit(device=True)
+    @device
     def f32_to_bf16(x):
         """float32 -> bf16 bits (hardware ``cvt.rn.bf16x2.f32``)."""
         return cvt_bf16x2(float32(0), x) & 0xFFFF
 
-    @cuda.jit(device=True)
+    @device
     def f32_to_f16(x):
         """float32 -> fp16 bits (hardware ``cvt.rn.f16x2.f32``)."""
         return cvt_f16x2(float32(0), x) & 0xFFFF
 
-    @cuda.jit(device=True)
+    @device
     def f16_to_f32(h):
         """fp16 bits -> float32 (hardware ``cvt.f32.f16``)."""
         return cvt_f16_to_f32(uint32(h))
 
-    @cuda.jit(device=True)
+    @device
     def f32_to_e4m3(x):
         """float32 -> E4M3 code (hardware ``cvt.rn.satfinite.e4m3x2.f32``)."""
         return cvt_e4m3x2(float32(0), x) & 0xFF
 
 
-@cuda.jit(device=True)
+@device
 def bf16_round(x):
     """``r(x)`` for bf16: round a float32 to bf16 and widen it back."""
     return bf16_to_f32(f32_to_bf16(x))
 
 
-@cuda.jit(device=True)
+@device
 def f16_round(x):
     """``r(x)`` for fp16: round a float32 to fp16 and widen it back."""
     return f16_to_f32(f32_to_f16(x))

@@ -35,7 +35,7 @@ import math
 import numpy as np
 from numba import cuda, float32, float64, uint32
 
-from .._numba_internals import SIM
+from .._numba_internals import SIM, device
 from ..layouts.dtypes import (bf16_round, bf16_to_f32, bits_f32, f16_round, f16_to_f32,
                               f32_to_bf16, f32_to_e4m3, f32_to_f16, pack_bf16x2, pack_e4m3x2,
                               pack_f16x2)
@@ -47,16 +47,16 @@ MIN_SCALE = 1.0 / (448.0 * 512.0)  # vLLM's min_scaling_factor<fp8>
 FLAG_SCALE_UB = 1
 
 if SIM:
-    @cuda.jit(device=True)
+    @device
     def load_u32x4(a, row, col):
         return a[row, col], a[row, col + 1], a[row, col + 2], a[row, col + 3]
 
-    @cuda.jit(device=True)
+    @device
     def store_u32x4(a, row, col, v):
         for k in range(4):
             a[row, col + k] = v[k]
 
-    @cuda.jit(device=True)
+    @device
     def store_u32x2(a, row, col, v):
         a[row, col] = v[0]
         a[row, col + 1] = v[1]
@@ -64,18 +64,18 @@ else:
     from .._numba_internals import load_u32x4, store_u32x2, store_u32x4
 
 
-@cuda.jit(device=True)
+@device
 def _ident(x):
     return float32(x)
 
 
-@cuda.jit(device=True)
+@device
 def _bf16_pair(w):
     w = int(w)
     return bf16_to_f32(w & 0xFFFF), bits_f32(w & 0xFFFF0000)
 
 
-@cuda.jit(device=True)
+@device
 def _f16_pair(w):
     w = int(w)
     return f16_to_f32(w & 0xFFFF), f16_to_f32(w >> 16)
@@ -89,7 +89,7 @@ _CODECS = {
 }
 
 
-@cuda.jit(device=True)
+@device
 def inv_rms(ss, H, eps):
     """``r32(1 / sqrt(ss / H + eps))`` in float64, ``ss`` the float64 sum of squares.
 
@@ -104,12 +104,12 @@ def inv_rms(ss, H, eps):
 
 
 if SIM:
-    @cuda.jit(device=True)
+    @device
     def div_rn(a, b, rb):
         """``a / b`` rounded to nearest (IEEE float32 division)."""
         return a / b
 else:
-    @cuda.jit(device=True)
+    @device
     def div_rn(a, b, rb):
         """``a / b`` correctly rounded, from ``rb = RN(1/b)`` (computed once per row): one
         correction step with exact FMA remainders (Markstein's theorem), which avoids a full
@@ -121,14 +121,14 @@ else:
 
 
 if SIM:
-    @cuda.jit(device=True)
+    @device
     def _clamp_fp8(v):
         """``fminf(v, 448)``: see the GPU twin."""
         return np.fmin(np.float32(v), np.float32(FP8_MAX))
 else:
     from numba.cuda import libdevice
 
-    @cuda.jit(device=True)
+    @device
     def _clamp_fp8(v):
         """vLLM's ``fmaxf(-448, fminf(v, 448))`` before the E4M3 encode, in one instruction:
         ``fminf`` turns a NaN into +448 and caps the top; the saturating encoder
@@ -136,7 +136,7 @@ else:
         return libdevice.fminf(v, float32(FP8_MAX))
 
 
-@cuda.jit(device=True)
+@device
 def _row_scale(amax, scale, flags):
     """Dynamic per-token scale from the row's amax (and the optional ``scale_ub``)."""
     if flags & FLAG_SCALE_UB:
@@ -161,7 +161,7 @@ def make_scalar_kernel(kind, variant):
     ADD, RES, QUANT = _flags(variant)
     DYN_RES = RES and not ADD
 
-    @cuda.jit(device=True)
+    @device
     def src(x, residual, row, i):
         s = dec(x[row, i])
         if RES:
@@ -221,7 +221,7 @@ def make_vector_kernel(kind, variant):
     ADD, RES, QUANT = _flags(variant)
     DYN_RES = RES and not ADD
 
-    @cuda.jit(device=True)
+    @device
     def load8(buf, a, row, c):
         w = load_u32x4(a, row, c)
         for k in range(4):
@@ -229,7 +229,7 @@ def make_vector_kernel(kind, variant):
             buf[2 * k] = lo
             buf[2 * k + 1] = hi
 
-    @cuda.jit(device=True)
+    @device
     def add8(buf, a, row, c):
         w = load_u32x4(a, row, c)
         for k in range(4):
@@ -237,18 +237,18 @@ def make_vector_kernel(kind, variant):
             buf[2 * k] += lo
             buf[2 * k + 1] += hi
 
-    @cuda.jit(device=True)
+    @device
     def store8(a, row, c, buf):
         store_u32x4(a, row, c, (pack(buf[1], buf[0]), pack(buf[3], buf[2]),
                                 pack(buf[5], buf[4]), pack(buf[7], buf[6])))
 
-    @cuda.jit(device=True)
+    @device
     def store8_fp8(a, row, c, buf):
         lo = (int(pack_e4m3x2(buf[3], buf[2])) << 16) | int(pack_e4m3x2(buf[1], buf[0]))
         hi = (int(pack_e4m3x2(buf[7], buf[6])) << 16) | int(pack_e4m3x2(buf[5], buf[4]))
         store_u32x2(a, row, c >> 1, (lo, hi))
 
-    @cuda.jit(device=True)
+    @device
     def src8(buf, x, residual, row, c):
         load8(buf, x, row, c)
         if RES:
@@ -322,26 +322,26 @@ def make_cached_kernel(kind, variant, vpt):
     NW = 4 * vpt  # uint32 words per thread
     NS = 8 * vpt  # values per thread
 
-    @cuda.jit(device=True)
+    @device
     def decode(vals, words, j):
         for k in range(4):
             lo, hi = pair(words[4 * j + k])
             vals[8 * j + 2 * k] = lo
             vals[8 * j + 2 * k + 1] = hi
 
-    @cuda.jit(device=True)
+    @device
     def encode_store(a, row, c, vals, j):
         store_u32x4(a, row, c, (pack(vals[8 * j + 1], vals[8 * j]), pack(vals[8 * j + 3], vals[8 * j + 2]),
                                 pack(vals[8 * j + 5], vals[8 * j + 4]), pack(vals[8 * j + 7], vals[8 * j + 6])))
 
-    @cuda.jit(device=True)
+    @device
     def fp8_store(a, row, c, vals, j):
         b = 8 * j
         lo = (int(pack_e4m3x2(vals[b + 3], vals[b + 2])) << 16) | int(pack_e4m3x2(vals[b + 1], vals[b]))
         hi = (int(pack_e4m3x2(vals[b + 7], vals[b + 6])) << 16) | int(pack_e4m3x2(vals[b + 5], vals[b + 4]))
         store_u32x2(a, row, c >> 1, (lo, hi))
 
-    @cuda.jit(device=True)
+    @device
     def load_words(words, a, row, tid, nt, nv):
         for j in range(vpt):
             v = tid + j * nt

@@ -11,12 +11,12 @@ Block sizes must be multiples of 32, at most 1024.
 
 from numba import cuda, float32, float64
 
-from .._numba_internals import SIM
+from .._numba_internals import SIM, device
 
 FULL_MASK = 0xFFFFFFFF
 
 
-@cuda.jit(device=True)
+@device
 def fmax_nan(a, b):
     """``fmaxf``: the larger of a and b, ignoring a NaN operand (CUDA's fmaxf semantics)."""
     if b > a or a != a:
