@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import ctypes
 import struct
-import threading
 
 from numba import types
 from numba.cuda import config as _config
@@ -211,9 +210,9 @@ class FastKernel:
     """One compiled specialisation of a ``@cuda.jit`` kernel, launched with ``cuLaunchKernel``.
 
     ``dispatcher`` is a lazily compiling ``cuda.jit`` dispatcher and ``argtypes`` the numba types
-    of its arguments. Compilation happens once per device, on first use; the launch is then
-    ``struct.pack_into`` of the flattened parameters plus one driver call. The stream is passed
-    at every call and never cached, so CUDA-graph capture sees each launch.
+    of its arguments. Compilation happens once per device, on first use; :meth:`prepare` packs
+    the flattened parameters once into a :class:`PreparedLaunch`, whose launch is one driver
+    call on the stream given at that call.
     """
 
     _libcuda = None
@@ -223,12 +222,7 @@ class FastKernel:
         self.argtypes = tuple(argtypes)
         self.name = name
         self._fmt, self._nparams = param_slots(self.argtypes)
-        self._buf = ctypes.create_string_buffer(8 * self._nparams)
-        base = ctypes.addressof(self._buf)
-        self._ptrs = (ctypes.c_void_p * self._nparams)(*[base + 8 * i for i in range(self._nparams)])
-        self._ptrs_addr = ctypes.addressof(self._ptrs)
         self._handles = {}
-        self._lock = threading.Lock()
 
     def compile(self, device_index):
         """Compile (once) for ``device_index`` and return the CUfunction handle as an int."""
@@ -254,16 +248,6 @@ class FastKernel:
             fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
             cls._libcuda = fn
         return cls._libcuda
-
-    def launch(self, device_index, grid, block, stream_handle, params):
-        """Launch on ``stream_handle`` (an int ``CUstream``) with the flattened ``params``."""
-        func = self._handles.get(device_index) or self.compile(device_index)
-        launch = self._libcuda or self._driver()
-        with self._lock:
-            struct.pack_into(self._fmt, self._buf, 0, *params)
-            err = launch(func, grid, 1, 1, block, 1, 1, 0, stream_handle, self._ptrs_addr, None)
-        if err:
-            raise RuntimeError(f"loomnb: cuLaunchKernel({self.name}) failed with CUresult {err}")
 
     def prepare(self, device_index, grid, block, params):
         """A :class:`PreparedLaunch`: the parameters packed once, replayable on any stream."""
