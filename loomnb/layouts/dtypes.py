@@ -24,7 +24,7 @@ saturating E4M3 (it returns NaN above 464): see ``loomnb.oracle.fp8``.
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32, int32, uint32  # noqa: F401 (int32 used on the GPU path)
+from numba import float32, int32, uint32  # noqa: F401 (int32, uint32: the GPU path)
 
 from .._numba_internals import SIM, device
 
@@ -38,11 +38,6 @@ if SIM:
     def bits_f32(b):
         """Bit pattern (integer < 2**32) -> float32."""
         return np.uint32(b & 0xFFFFFFFF).view(np.float32)
-
-    @device
-    def rsqrt(x):
-        """1/sqrt(x) in float32 (the simulator's stand-in for ``rsqrt.approx.f32``)."""
-        return np.float32(1.0) / np.sqrt(np.float32(x))
 else:
     from numba.cuda import libdevice
 
@@ -55,11 +50,6 @@ else:
     def bits_f32(b):
         """Bit pattern -> float32."""
         return libdevice.int_as_float(int32(b))
-
-    @device
-    def rsqrt(x):
-        """``rsqrtf``: PTX ``rsqrt.approx.f32``, as vLLM's kernels use it."""
-        return libdevice.rsqrtf(x)
 
 
 # ---------------------------------------------------------------- bf16 --------------------

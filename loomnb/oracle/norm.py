@@ -3,7 +3,7 @@
 Rounding points exactly as in ``../shared/reference/vllm-operator-semantics.md`` (beside the repository) sections 1-3, with
 ``f`` = widen to float32 and ``r`` = round to the activation dtype T (RNE via ml_dtypes):
 
-* ``rms_norm``: ``inv = rsqrt(sum(f(x)^2) / H + eps)``, ``y = r(f(r(f(x)*inv)) * f(w))``;
+* ``rms_norm``: ``inv = 1 / sqrt(sum(f(x)^2) / H + eps)``, ``y = r(f(r(f(x)*inv)) * f(w))``;
 * ``fused_add_rms_norm``: ``z = r(f(x) + f(residual))``; residual <- z; x <- rms_norm(z);
 * static FP8: ``q = e4m3(clamp(f(y) * (1/scale)))``, the fused-add form normalises z;
 * dynamic per-token FP8: ``s = f(x) [+ f(residual)]`` kept in fp32 (residual <- r(s)),
