@@ -243,10 +243,17 @@ def extra_sections(results_dir: Path) -> list[str]:
     path = newest_or_none("overhead_*.json")
     if path is not None:
         data = json.loads(path.read_text())
-        lines += ["", f"### Eager per-call host overhead — `{path.name}` ({data['gpu']}, torch {data['torch']})",
-                  "", "1 x 4096 bf16; wall time of N calls / N, no synchronisation inside the loop.", "",
-                  "| call | µs per call |", "|---|---:|"]
-        lines += [f"| `{name}` | {us:.2f} |" for name, us in data["us_per_call"].items()]
+        cpu = f", host CPU {data['host_cpu']}" if "host_cpu" in data else ""
+        lines += ["", f"### Eager per-call host overhead — `{path.name}` ({data['gpu']}, torch {data['torch']}{cpu})",
+                  "", "1 x 4096 bf16; wall time of N calls / N, no synchronisation inside the loop; "
+                  "median of the forward and reversed passes.", "",
+                  "| call | µs per call | x torch.mul(out=) |", "|---|---:|---:|"]
+        base = data["us_per_call"].get("torch.mul(x, 2.0, out=)")
+        lines += [f"| `{name}` | {us:.2f} | {us / base:.2f} |" if base else f"| `{name}` | {us:.2f} | |"
+                  for name, us in data["us_per_call"].items()]
+        if "fast_path_pieces_us" in data:
+            lines += ["", "Pieces of loomnb's fast path, timed alone:", "", "| piece | µs |", "|---|---:|"]
+            lines += [f"| {name} | {us:.2f} |" for name, us in data["fast_path_pieces_us"].items()]
     path = newest_or_none("decode_*.json")
     if path is not None:
         data = json.loads(path.read_text())

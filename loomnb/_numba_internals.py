@@ -12,8 +12,9 @@ assumptions change. What we rely on:
 2. **The kernel parameter ABI** (``_Kernel._prepare_args``): a kernel argument of type
    ``Array(dtype, ndim)`` becomes ``5 + 2*ndim`` parameters (meminfo, parent, nitems, itemsize,
    data, shape..., strides-in-bytes...), each 8 bytes; ``float32`` is 4 bytes, ``int64`` 8.
-   :class:`FastKernel` packs that block itself and calls ``cuLaunchKernel`` directly, which
-   takes the per-call host cost from numba's 24-88 us to a few microseconds.
+   :class:`FastKernel` packs that block itself and calls ``cuLaunchKernel`` (through
+   ``cuda.bindings``) directly, which takes the per-call host cost from numba's 24-88 us to the
+   driver's own cost plus a dictionary lookup.
 3. **The simulator's device-array wrapper** (``FakeCUDAArray``): wrapping NumPy arrays in it
    makes the simulator run on the caller's memory instead of copying each argument in and out
    (its copy-back would let an unmodified alias overwrite an in-place result).
@@ -28,6 +29,7 @@ assumptions change. What we rely on:
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
 
 from numba import types
@@ -212,10 +214,9 @@ class FastKernel:
     ``dispatcher`` is a lazily compiling ``cuda.jit`` dispatcher and ``argtypes`` the numba types
     of its arguments. Compilation happens once per device, on first use; :meth:`prepare` packs
     the flattened parameters once into a :class:`PreparedLaunch`, whose launch is one driver
-    call on the stream given at that call.
+    call (through ``cuda.bindings``, the CUDA driver bindings numba-cuda itself depends on) on
+    the stream given at that call.
     """
-
-    _libcuda = None
 
     def __init__(self, dispatcher, argtypes, name):
         self.dispatcher = dispatcher
@@ -239,40 +240,62 @@ class FastKernel:
             self._handles[device_index] = h
         return h
 
-    @classmethod
-    def _driver(cls):
-        if cls._libcuda is None:
-            lib = ctypes.CDLL("libcuda.so.1")
-            fn = lib.cuLaunchKernel
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-            cls._libcuda = fn
-        return cls._libcuda
-
     def prepare(self, device_index, grid, block, params):
         """A :class:`PreparedLaunch`: the parameters packed once, replayable on any stream."""
         return PreparedLaunch(self, self._handles.get(device_index) or self.compile(device_index),
-                              grid, block, params)
+                              device_index, grid, block, params)
 
 
 class PreparedLaunch:
     """One kernel launch with fixed arguments, packed once; ``launch(stream)`` only calls the
     driver. The stream is a per-call argument (never stored), so graph capture sees each launch.
-    The packed block is read-only after construction, so concurrent launches need no lock."""
+    The packed block is read-only after construction, so concurrent launches need no lock.
 
-    __slots__ = ("kernel", "func", "grid", "block", "_buf", "_ptrs", "_ptrs_addr")
+    ``driver_call(stream, params, 0)`` is the bare driver call (``cuLaunchKernel`` with every
+    argument but the stream bound) returning ``(CUresult,)``; ``params`` is the address of the
+    parameter-pointer array. Hot paths call it directly and hand a non-success result to
+    :meth:`failed`.
+    """
 
-    def __init__(self, kernel, func, grid, block, params):
-        self.kernel, self.func, self.grid, self.block = kernel, func, grid, block
+    __slots__ = ("kernel", "device", "grid", "block", "driver_call", "params", "_buf", "_ptrs")
+
+    def __init__(self, kernel, func, device, grid, block, params):
+        from cuda.bindings import driver
+
+        self.kernel, self.device, self.grid, self.block = kernel, device, grid, block
         n = kernel._nparams
         self._buf = ctypes.create_string_buffer(8 * n)
         struct.pack_into(kernel._fmt, self._buf, 0, *params)
         base = ctypes.addressof(self._buf)
         self._ptrs = (ctypes.c_void_p * n)(*[base + 8 * i for i in range(n)])
-        self._ptrs_addr = ctypes.addressof(self._ptrs)
+        self.params = ctypes.addressof(self._ptrs)
+        self.driver_call = functools.partial(driver.cuLaunchKernel, driver.CUfunction(func),
+                                             grid, 1, 1, block, 1, 1, 0)
 
     def launch(self, stream_handle):
-        launch = FastKernel._libcuda or FastKernel._driver()
-        err = launch(self.func, self.grid, 1, 1, self.block, 1, 1, 0, stream_handle, self._ptrs_addr, None)
-        if err:
-            raise RuntimeError(f"loomnb: cuLaunchKernel({self.kernel.name}) failed with CUresult {err}")
+        err, = self.driver_call(stream_handle, self.params, 0)
+        if err is not CUDA_SUCCESS:
+            self.failed(err, stream_handle)
+
+    def failed(self, err, stream_handle):
+        """A launch returned ``err``: retry once if the thread had no current CUDA context
+        (a thread that never touched CUDA), else raise."""
+        from cuda.bindings import driver
+
+        if err == driver.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+            _, ctx = driver.cuDevicePrimaryCtxRetain(self.device)
+            driver.cuCtxSetCurrent(ctx)
+            driver.cuDevicePrimaryCtxRelease(self.device)  # the runtime keeps its own reference
+            err, = self.driver_call(stream_handle, self.params, 0)
+            if err is CUDA_SUCCESS:
+                return
+        raise RuntimeError(f"loomnb: cuLaunchKernel({self.kernel.name}) on device {self.device} "
+                           f"failed with {err!r}")
+
+
+def _success():
+    from cuda.bindings import driver
+    return driver.CUresult.CUDA_SUCCESS
+
+
+CUDA_SUCCESS = None if SIM else _success()

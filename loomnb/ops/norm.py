@@ -20,7 +20,7 @@ import numpy as np
 from numba import cuda, types
 
 from .. import _adapter as ad
-from .._numba_internals import SIM, FastKernel, array_params, sim_device_array
+from .._numba_internals import CUDA_SUCCESS, SIM, FastKernel, array_params, sim_device_array
 from ..checks import (check_contiguous, check_eps, check_kind, check_last_contiguous,
                       check_ndim, check_not_aliased, check_rows_non_overlapping,
                       check_same_device, check_same_kind, check_shape, fail_value)
@@ -143,7 +143,7 @@ def _launch(variant, out, x, residual, weight, scales, scale, eps, flags, stream
     """Grid/block arithmetic and the launch: one block per token (row).
 
     On a GPU the launch is prepared once (parameters packed) and, when ``key`` (a torch call's
-    signature, see :func:`_torch_key`) is given, remembered so the next identical call skips the
+    signature, see :func:`_key3`) is given, remembered so the next identical call skips the
     checks and the packing. In the simulator the kernel runs on the NumPy arrays at once.
     """
     num_tokens, hidden_size = x.shape
@@ -173,24 +173,27 @@ def _launch(variant, out, x, residual, weight, scales, scale, eps, flags, stream
         prepared = kern.prepare(x.device, num_tokens, threads, params)
         prepared.launch(ad.stream_handle(x, stream))
     if key is not None:
-        if len(_launch_cache) >= LAUNCH_CACHE_SIZE:
-            _launch_cache.clear()
-        _launch_cache[key] = (prepared, x.device)
+        _remember(key, prepared)
 
 
 # --- the eager fast path for torch tensors ---------------------------------------------------
-# A call whose arguments have exactly the metadata of an earlier, validated call (same data
-# pointers, dtypes, shapes, strides, device, eps) would pass the same checks and pack the same
-# kernel parameters, so it replays the prepared launch on the current stream (looked up at every
-# call). Inspect with launch_cache_info(); clear_launch_cache() empties it.
+# A call whose arguments have exactly the metadata of an earlier, validated call would pass the
+# same checks and pack the same kernel parameters, so it replays the prepared launch on the
+# current stream (looked up at every call, so CUDA-graph capture records it). The key holds,
+# for every tensor, its data pointer, shape, strides and dtype, plus eps (a Python float only:
+# ``True == 1.0`` must not reach a cached launch). The device is implied by the data pointer
+# (CUDA's unified virtual addressing gives every device and the host disjoint addresses).
+# The per-call cost is then the key (about a dozen tensor-attribute reads), one dict lookup
+# and the driver call. launch_cache_info() counts; clear_launch_cache() empties.
 
 LAUNCH_CACHE_SIZE = 1024
-_launch_cache = {}
-_cache_stats = {"hits": 0, "misses": 0}
+_launch_cache = {}  # key -> PreparedLaunch
+_cache_stats = {"misses": 0}
+_torch_rt = None  # (getDevice, getCurrentRawStream, more than one GPU), set at the first store
 
 
 def launch_cache_info():
-    """Counters of the eager fast path: ``{"hits", "misses", "size"}``."""
+    """``{"misses", "size"}``: fast-path lookups that found nothing, and remembered launches."""
     return dict(_cache_stats, size=len(_launch_cache))
 
 
@@ -198,31 +201,57 @@ def clear_launch_cache():
     _launch_cache.clear()
 
 
-def _torch_key(op, args, stream):
-    """The fast-path key of a call whose array arguments are torch tensors (or None)."""
-    torch = ad._torch
-    if torch is None or stream is not None:
+def _remember(key, prepared):
+    global _torch_rt
+    if _torch_rt is None:
+        torch = ad._torch
+        _torch_rt = (torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream,
+                     torch.cuda.device_count() > 1)
+    if len(_launch_cache) >= LAUNCH_CACHE_SIZE:
+        _launch_cache.clear()
+    _launch_cache[key] = prepared
+
+
+def _key3(tag, a, b, c, eps):
+    """The fast-path key of a call with three tensors (written out: this is the hot path of
+    ``rms_norm`` and ``fused_add_rms_norm``); None when they are not torch tensors."""
+    if type(eps) is not float:
         return None
-    key = [op]
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            key.append((a.data_ptr(), a.dtype, a.shape, a.stride(), a.get_device()))
-        elif a is None or type(a) in (float, int):
-            key.append(a)
-        else:
-            return None
+    try:
+        return (tag, eps, a.data_ptr(), a.shape, a.stride(), a.dtype,
+                b.data_ptr(), b.shape, b.stride(), b.dtype,
+                c.data_ptr(), c.shape, c.stride(), c.dtype)
+    except AttributeError:  # not torch tensors: the general path
+        return None
+
+
+def _key(tag, eps, *tensors):
+    """The fast-path key of a call with any number of tensors (None allowed)."""
+    if type(eps) is not float:
+        return None
+    key = [tag, eps]
+    try:
+        for t in tensors:
+            key += (None,) if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype)
+    except AttributeError:
+        return None
     return tuple(key)
 
 
-def _replay(key):
-    """Launch the remembered call for ``key``; False if there is none for the current device."""
+def _fast(key):
+    """Launch the remembered call for ``key`` on the current stream; False if there is none
+    (for the current device)."""
     hit = _launch_cache.get(key)
-    torch = ad._torch
-    if hit is None or torch._C._cuda_getDevice() != hit[1]:
+    if hit is None:
         _cache_stats["misses"] += 1
         return False
-    _cache_stats["hits"] += 1
-    hit[0].launch(torch._C._cuda_getCurrentRawStream(hit[1]))
+    get_device, get_stream, multi_gpu = _torch_rt
+    if multi_gpu and get_device() != hit.device:
+        return False
+    stream = get_stream(hit.device)
+    err, = hit.driver_call(stream, hit.params, 0)
+    if err is not CUDA_SUCCESS:
+        hit.failed(err, stream)
     return True
 
 
@@ -231,6 +260,8 @@ def _torch_empty(like, shape=None, dtype=None):
     torch = ad._torch
     if torch is None or not isinstance(like, torch.Tensor):
         return None
+    if shape is None and like.is_contiguous():
+        return torch.empty_like(like, dtype=dtype)
     return torch.empty(like.shape if shape is None else shape, dtype=dtype or like.dtype, device=like.device)
 
 
@@ -314,8 +345,8 @@ def rms_norm(x, weight, eps, out=None, *, stream=None):
     """
     if out is None:
         out = _torch_empty(x)
-    key = _torch_key("rms", (x, weight, out, eps), stream)
-    if key is not None and _replay(key):
+    key = _key3("rms", x, weight, out, eps) if stream is None else None
+    if key is not None and _fast(key):
         return out
     op = "loomnb.rms_norm"
     xa, wa, eps = _check_act(op, x, weight, eps)
@@ -345,8 +376,8 @@ def fused_add_rms_norm(x, residual, weight, eps, *, stream=None):
     ``torch.ops._C.fused_add_rms_norm(input, residual, weight, epsilon)`` (two-rounding contract;
     vLLM 0.24.0's compiled op rounds the output once).
     """
-    key = _torch_key("add", (x, residual, weight, eps), stream)
-    if key is not None and _replay(key):
+    key = _key3("add", x, residual, weight, eps) if stream is None else None
+    if key is not None and _fast(key):
         return x, residual
     op = "loomnb.fused_add_rms_norm"
     xa, wa, eps = _check_act(op, x, weight, eps)
@@ -376,8 +407,8 @@ def rms_norm_static_fp8_quant(out, x, weight, scale, eps, *, stream=None):
     """
     if out is None and ad._torch is not None:
         out = _torch_empty(x, dtype=ad._torch.float8_e4m3fn)
-    key = _torch_key("static", (out, x, weight, scale, eps), stream)
-    if key is not None and _replay(key):
+    key = _key("static", eps, out, x, weight, scale) if stream is None else None
+    if key is not None and _fast(key):
         return out
     op = "loomnb.rms_norm_static_fp8_quant"
     xa, wa, eps = _check_act(op, x, weight, eps)
@@ -401,8 +432,8 @@ def fused_add_rms_norm_static_fp8_quant(out, x, residual, weight, scale, eps, *,
     """
     if out is None and ad._torch is not None:
         out = _torch_empty(x, dtype=ad._torch.float8_e4m3fn)
-    key = _torch_key("add_static", (out, x, residual, weight, scale, eps), stream)
-    if key is not None and _replay(key):
+    key = _key("add_static", eps, out, x, residual, weight, scale) if stream is None else None
+    if key is not None and _fast(key):
         return out, residual
     op = "loomnb.fused_add_rms_norm_static_fp8_quant"
     xa, wa, eps = _check_act(op, x, weight, eps)
@@ -445,8 +476,8 @@ def rms_norm_dynamic_per_token_quant(x, weight, eps, scale_ub=None, residual=Non
             out = _torch_empty(x, dtype=ad._torch.float8_e4m3fn)
         if scales is None:
             scales = _torch_empty(x, shape=(x.numel() // max(x.shape[-1], 1), 1), dtype=ad._torch.float32)
-    key = _torch_key("dynamic", (x, weight, eps, scale_ub, residual, out, scales), stream)
-    if key is not None and _replay(key):
+    key = _key("dynamic", eps, x, weight, scale_ub, residual, out, scales) if stream is None else None
+    if key is not None and _fast(key):
         return out, scales
     op = "loomnb.rms_norm_dynamic_per_token_quant"
     xa, wa, eps = _check_act(op, x, weight, eps)
