@@ -48,25 +48,23 @@ if not SIM:
         fn = ir.InlineAsm(ir.FunctionType(ret, argtys), text, constraints)
         return builder.call(fn, args)
 
-    @intrinsic
-    def cvt_bf16x2(typingctx, hi, lo):
-        """Round two float32 to bf16 (RNE) and pack: ``hi`` in bits 31..16, ``lo`` in 15..0."""
-        sig = types.uint32(types.float32, types.float32)
+    def _cvt_x2(ptx_type):
+        """Round two float32 to ``ptx_type`` (RNE) and pack: ``hi`` in bits 31..16, ``lo`` in 15..0."""
 
-        def codegen(context, builder, sig, args):
-            return _asm(builder, _i32, [_f32, _f32], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", args)
+        @intrinsic
+        def cvt(typingctx, hi, lo):
+            sig = types.uint32(types.float32, types.float32)
 
-        return sig, codegen
+            def codegen(context, builder, sig, args):
+                return _asm(builder, _i32, [_f32, _f32], f"cvt.rn.{ptx_type}.f32 $0, $1, $2;",
+                            "=r,f,f", args)
 
-    @intrinsic
-    def cvt_f16x2(typingctx, hi, lo):
-        """Round two float32 to fp16 (RNE) and pack: ``hi`` in bits 31..16, ``lo`` in 15..0."""
-        sig = types.uint32(types.float32, types.float32)
+            return sig, codegen
 
-        def codegen(context, builder, sig, args):
-            return _asm(builder, _i32, [_f32, _f32], "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", args)
+        return cvt
 
-        return sig, codegen
+    cvt_bf16x2 = _cvt_x2("bf16x2")
+    cvt_f16x2 = _cvt_x2("f16x2")
 
     @intrinsic
     def cvt_e4m3x2(typingctx, hi, lo):

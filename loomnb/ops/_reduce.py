@@ -51,44 +51,36 @@ if SIM:
         cuda.syncthreads()
         return float32(m)
 else:
-    @cuda.jit(device=True)
-    def _warp_sum(v):
-        for off in (16, 8, 4, 2, 1):
-            v += cuda.shfl_xor_sync(FULL_MASK, v, off)
-        return v
+    def _block_reduce(combine, dtype):
+        """A device function returning ``combine`` folded over the block's ``v`` to every
+        thread: a shuffle butterfly in each warp, the warp results through 32 ``dtype`` of
+        shared memory (``dtype(0)`` pads past the last warp), and a second butterfly."""
+
+        @cuda.jit(device=True)
+        def warp_reduce(v):
+            for off in (16, 8, 4, 2, 1):
+                v = combine(v, cuda.shfl_xor_sync(FULL_MASK, v, off))
+            return v
+
+        @cuda.jit(device=True)
+        def block_reduce(v):
+            sm = cuda.shared.array(32, dtype)
+            lane = cuda.threadIdx.x & 31
+            warp = cuda.threadIdx.x >> 5
+            v = warp_reduce(v)
+            if lane == 0:
+                sm[warp] = v
+            cuda.syncthreads()
+            v = sm[lane] if lane < (cuda.blockDim.x >> 5) else dtype(0)
+            v = warp_reduce(v)
+            cuda.syncthreads()  # sm may be reused by the next reduction
+            return v
+
+        return block_reduce
 
     @cuda.jit(device=True)
-    def _warp_max(v):
-        for off in (16, 8, 4, 2, 1):
-            v = fmax_nan(v, cuda.shfl_xor_sync(FULL_MASK, v, off))
-        return v
+    def _add(a, b):
+        return a + b
 
-    @cuda.jit(device=True)
-    def block_sum64(v):
-        """float64 sum of ``v`` over the block, returned to every thread."""
-        sm = cuda.shared.array(32, float64)
-        lane = cuda.threadIdx.x & 31
-        warp = cuda.threadIdx.x >> 5
-        v = _warp_sum(v)
-        if lane == 0:
-            sm[warp] = v
-        cuda.syncthreads()
-        v = sm[lane] if lane < (cuda.blockDim.x >> 5) else float64(0)
-        v = _warp_sum(v)
-        cuda.syncthreads()  # sm may be reused by the next reduction
-        return v
-
-    @cuda.jit(device=True)
-    def block_max(v):
-        """``fmaxf`` of ``v`` over the block, returned to every thread."""
-        sm = cuda.shared.array(32, float32)
-        lane = cuda.threadIdx.x & 31
-        warp = cuda.threadIdx.x >> 5
-        v = _warp_max(v)
-        if lane == 0:
-            sm[warp] = v
-        cuda.syncthreads()
-        v = sm[lane] if lane < (cuda.blockDim.x >> 5) else float32(0)
-        v = _warp_max(v)
-        cuda.syncthreads()
-        return v
+    block_sum64 = _block_reduce(_add, float64)  # float64 sum of ``v`` over the block
+    block_max = _block_reduce(fmax_nan, float32)  # ``fmaxf`` of ``v`` over the block (v >= 0)
