@@ -34,7 +34,12 @@ def load(paths) -> tuple[list[tuple[Path, dict]], list[dict]]:
     metas, rows = [], []
     for p in paths:
         d = json.loads(Path(p).read_text())
-        metas.append((Path(p), d["meta"]))
+        meta = d["meta"]
+        if "copy_bandwidth_end" not in meta and not meta.get("incomplete") and not meta.get("dry_run"):
+            passes = sorted({r.get("pass") for r in d["results"]} - {None})
+            meta = dict(meta, incomplete="the run stopped before its end-of-run copy measurement "
+                        f"(stopped early, e.g. by a time limit); provider-order passes present: {passes or 'none'}")
+        metas.append((Path(p), meta))
         for r in d["results"]:
             rows.append({**r, "_copy_GBps": d["meta"].get("copy_GBps")})
     return metas, rows
@@ -99,6 +104,10 @@ def op_section(agg: dict, sel: tuple, plots: list[str]) -> list[str]:
     outputs = next((list(v["exact"]) for k, v in agg.items()
                     if k[:4] == sel and v.get("exact")), [])
     lines = [f"### {op} — hidden {h}, {dtype}, L2 {l2}", ""]
+    if l2 == "cold":
+        lines += ["L2 cold: every call reads a new set of buffers (rotated through more than twice "
+                  "the L2), so each eager loomnb call has new data pointers, misses the launch "
+                  "cache and is validated and packed again; its eager µs is that path's cost.", ""]
     lines += [f"| num_tokens | provider | graph µs | eager µs | GB/s | % copy bw | byte-exact vs "
               f"ref ({' / '.join(outputs) or 'n/a'}) | pass spread % |",
               "|---:|---|---:|---:|---:|---:|---|---:|"]
