@@ -56,11 +56,12 @@ def _load_torch():
 class Arr:
     """What a kernel needs to know about one caller array: no data is touched or copied."""
 
-    __slots__ = ("obj", "lib", "kind", "dtype_name", "shape", "strides", "ptr", "device")
+    __slots__ = ("obj", "lib", "kind", "dtype_name", "shape", "strides", "ptr", "device", "_extent")
 
     def __init__(self, obj, lib, kind, dtype_name, shape, strides, ptr, device):
         self.obj, self.lib, self.kind, self.dtype_name = obj, lib, kind, dtype_name
         self.shape, self.strides, self.ptr, self.device = shape, strides, ptr, device
+        self._extent = None
 
     @property
     def ndim(self):
@@ -81,13 +82,16 @@ class Arr:
         return True
 
     def extent(self):
-        """[first byte, one past the last byte] this array can touch."""
-        if 0 in self.shape:
-            return self.ptr, self.ptr
-        lo = hi = 0
-        for n, s in zip(self.shape, self.strides):
-            (hi, lo) = (hi + (n - 1) * s, lo) if s >= 0 else (hi, lo + (n - 1) * s)
-        return self.ptr + lo * self.itemsize, self.ptr + (hi + 1) * self.itemsize
+        """[first byte, one past the last byte] this array can touch (computed once)."""
+        if self._extent is None:
+            if 0 in self.shape:
+                self._extent = (self.ptr, self.ptr)
+            else:
+                lo = hi = 0
+                for n, s in zip(self.shape, self.strides):
+                    (hi, lo) = (hi + (n - 1) * s, lo) if s >= 0 else (hi, lo + (n - 1) * s)
+                self._extent = (self.ptr + lo * self.itemsize, self.ptr + (hi + 1) * self.itemsize)
+        return self._extent
 
     def overlaps(self, other):
         a0, a1 = self.extent()
@@ -112,6 +116,16 @@ class Arr:
         return array_params(self.ptr, shp, strides, isz)
 
 
+_TORCH_DTYPE_NAMES = {}
+
+
+def _torch_dtype_name(dtype):
+    name = _TORCH_DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _TORCH_DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
 def _describe(obj):
     t = type(obj)
     return f"{t.__module__}.{t.__qualname__}"
@@ -131,7 +145,7 @@ def wrap(op, name, obj):
             raise LoomnbTypeError(
                 f"{op}: argument '{name}' must be a CUDA device array; got a host torch tensor "
                 f"(device {obj.device}). Move it with .cuda() first")
-        return Arr(obj, "torch", kind, str(obj.dtype).replace("torch.", ""), obj.shape,
+        return Arr(obj, "torch", kind, _torch_dtype_name(obj.dtype), obj.shape,
                    obj.stride(), obj.data_ptr(), dev)
     if isinstance(obj, np.ndarray):
         if not SIM:

@@ -221,7 +221,10 @@ class FastKernel:
         self.argtypes = tuple(argtypes)
         self.name = name
         self._fmt, self._nparams = param_slots(self.argtypes)
+        self._ptr_fmt = f"<{self._nparams}Q"  # the parameter-pointer array, packed in one go
+        self._ptr_array = ctypes.c_void_p * self._nparams
         self._handles = {}
+        self._driver_calls = {}  # (device, grid, block) -> cuLaunchKernel with all but 3 args bound
 
     def compile(self, device_index):
         """Compile (once) for ``device_index`` and return the CUfunction handle as an int."""
@@ -240,8 +243,14 @@ class FastKernel:
 
     def prepare(self, device_index, grid, block, params):
         """A :class:`PreparedLaunch`: the parameters packed once, replayable on any stream."""
-        return PreparedLaunch(self, self._handles.get(device_index) or self.compile(device_index),
-                              device_index, grid, block, params)
+        call = self._driver_calls.get((device_index, grid, block))
+        if call is None:
+            from cuda.bindings import driver
+
+            func = driver.CUfunction(self._handles.get(device_index) or self.compile(device_index))
+            call = functools.partial(driver.cuLaunchKernel, func, grid, 1, 1, block, 1, 1, 0)
+            self._driver_calls[(device_index, grid, block)] = call
+        return PreparedLaunch(self, call, device_index, grid, block, params)
 
 
 class PreparedLaunch:
@@ -257,18 +266,16 @@ class PreparedLaunch:
 
     __slots__ = ("kernel", "device", "grid", "block", "driver_call", "params", "_buf", "_ptrs")
 
-    def __init__(self, kernel, func, device, grid, block, params):
-        from cuda.bindings import driver
-
+    def __init__(self, kernel, driver_call, device, grid, block, params):
         self.kernel, self.device, self.grid, self.block = kernel, device, grid, block
+        self.driver_call = driver_call
         n = kernel._nparams
         self._buf = ctypes.create_string_buffer(8 * n)
         struct.pack_into(kernel._fmt, self._buf, 0, *params)
-        base = ctypes.addressof(self._buf)
-        self._ptrs = (ctypes.c_void_p * n)(*[base + 8 * i for i in range(n)])
+        base = ctypes.addressof(self._buf)  # parameter i lives at base + 8*i
+        self._ptrs = kernel._ptr_array.from_buffer_copy(
+            struct.pack(kernel._ptr_fmt, *range(base, base + 8 * n, 8)))
         self.params = ctypes.addressof(self._ptrs)
-        self.driver_call = functools.partial(driver.cuLaunchKernel, driver.CUfunction(func),
-                                             grid, 1, 1, block, 1, 1, 0)
 
     def launch(self, stream_handle):
         err, = self.driver_call(stream_handle, self.params, 0)

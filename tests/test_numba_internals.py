@@ -49,3 +49,27 @@ def test_internal_attributes_exist():
     assert hasattr(numba.cuda.extending, "intrinsic")
     import numba.cuda.cgutils as cg
     assert hasattr(cg, "get_item_pointer2") and hasattr(cg, "unpack_tuple")
+
+
+def test_prepared_launch_points_each_parameter_at_its_slot():
+    """The packed block holds the values in numba's order, and the pointer array that
+    ``cuLaunchKernel`` reads points at each 8-byte slot (checked here without a GPU)."""
+    import ctypes
+    import struct
+
+    from loomnb._numba_internals import FastKernel
+
+    argtypes = (types.Array(types.uint16, 2, "A"), types.float32, types.int64)
+    def three(x, eps, n):
+        x[0, 0] = n
+
+    k = FastKernel(cuda.jit(three), argtypes, "t")
+    k._handles[0] = 0x1234  # a stand-in CUfunction handle: nothing is compiled or launched
+    params = (0, 0, 6, 2, 0xABC000, 2, 3, 6, 2, 0.5, 7)
+    p = k.prepare(0, 5, 64, params)
+    base = ctypes.addressof(p._buf)
+    assert [p._ptrs[i] for i in range(k._nparams)] == [base + 8 * i for i in range(k._nparams)]
+    assert p.params == ctypes.addressof(p._ptrs)
+    assert struct.unpack(k._fmt, p._buf.raw) == params
+    assert p.driver_call.args[1:] == (5, 1, 1, 64, 1, 1, 0) and int(p.driver_call.args[0]) == 0x1234
+    assert k.prepare(0, 5, 64, params).driver_call is p.driver_call  # bound once per (device, grid, block)
