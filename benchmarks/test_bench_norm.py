@@ -7,6 +7,7 @@
 GPU cases (one per op x provider x num_tokens, hidden 4096 bf16) are skipped without CUDA: each
 captures back-to-back calls in a CUDA graph and lets pytest-benchmark time replays (whole
 replay + sync); extra_info carries the per-call graph time from CUDA events, GB/s, and n.
+``test_gpu_eager_per_call`` times rounds of 1000 eager calls at num_tokens=1 (host cost).
 The CPU tests check the bytes model, provider ordering, binding by schema names, exactness
 plumbing (vLLM's schemas mocked with the torch composites) and the dry-run -> summary path.
 """
@@ -235,3 +236,34 @@ def test_gpu(benchmark, gpu_env, op, provider, num_tokens):
             call()
     benchmark.pedantic(lambda: (g.replay(), torch.cuda.synchronize()), rounds=20,
                        warmup_rounds=2, iterations=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("provider", list(B.PROVIDERS))
+@pytest.mark.parametrize("op", list(B.OPS))
+def test_gpu_eager_per_call(benchmark, gpu_env, op, provider):
+    """Eager host cost at num_tokens=1 (what bench_overhead.py measures): each round is
+    ``EAGER_CALLS`` back-to-back calls with no synchronisation inside, then one sync, so a
+    round's time / ``EAGER_CALLS`` is the per-call cost the Python caller pays."""
+    args, provs = gpu_env
+    prov, o = provs[provider], B.OPS[op]
+    reason = prov.skip or prov.unsupported({"op": op})
+    if reason:
+        pytest.skip(reason)
+    t = B.make_inputs(o, 1, 4096, "bf16", "cuda", 0)
+    try:
+        call, _ = prov.bind(o, t, 1e-6)
+    except H.NotAvailable as e:
+        pytest.skip(str(e))
+
+    def calls():
+        for _ in range(EAGER_CALLS):
+            call()
+        torch.cuda.synchronize()
+
+    benchmark.extra_info.update(calls_per_round=EAGER_CALLS)
+    benchmark.pedantic(calls, rounds=10, warmup_rounds=1, iterations=1)
+
+
+EAGER_CALLS = 1000
