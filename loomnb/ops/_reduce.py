@@ -25,31 +25,28 @@ def fmax_nan(a, b):
 
 
 if SIM:
-    @cuda.jit(device=True)
-    def block_sum64(v):
-        """float64 sum of ``v`` over the block, returned to every thread (simulator path)."""
-        sm = cuda.shared.array(1024, float64)
-        tid = cuda.threadIdx.x
-        sm[tid] = v
-        cuda.syncthreads()
-        s = float64(0)
-        for i in range(cuda.blockDim.x):
-            s += sm[i]
-        cuda.syncthreads()
-        return float64(s)
+    def _block_reduce(combine, dtype):
+        """Simulator path (no warp shuffles): every thread writes ``v`` to shared memory and
+        folds ``combine`` over the block's values in thread order."""
 
-    @cuda.jit(device=True)
-    def block_max(v):
-        """``fmaxf`` of ``v`` over the block, returned to every thread (simulator path)."""
-        sm = cuda.shared.array(1024, float32)
-        tid = cuda.threadIdx.x
-        sm[tid] = v
-        cuda.syncthreads()
-        m = sm[0]
-        for i in range(1, cuda.blockDim.x):
-            m = fmax_nan(m, sm[i])
-        cuda.syncthreads()
-        return float32(m)
+        @cuda.jit(device=True)
+        def block_reduce(v):
+            sm = cuda.shared.array(1024, dtype)
+            sm[cuda.threadIdx.x] = v
+            cuda.syncthreads()
+            acc = sm[0]
+            for i in range(1, cuda.blockDim.x):
+                acc = combine(acc, sm[i])
+            cuda.syncthreads()
+            return dtype(acc)
+
+        return block_reduce
+
+    def _add(a, b):
+        return a + b
+
+    block_sum64 = _block_reduce(_add, float64)  # float64 sum of ``v`` over the block
+    block_max = _block_reduce(fmax_nan, float32)  # ``fmaxf`` of ``v`` over the block
 else:
     def _block_reduce(combine, dtype):
         """A device function returning ``combine`` folded over the block's ``v`` to every
