@@ -211,6 +211,27 @@ def make_scalar_kernel(kind, variant):
     return kernel
 
 
+def _make_stores(pack):
+    """Stores of the 8 values ``vals[8*j : 8*j + 8]`` as one 16-byte unit at word ``c`` of
+    ``row``: as the activation dtype (``pack`` rounds and pairs them), or as 8 FP8 E4M3 codes
+    (8 bytes, at word ``c >> 1`` of the FP8 output's words)."""
+
+    @device
+    def store8(a, row, c, vals, j):
+        b = 8 * j
+        store_u32x4(a, row, c, (pack(vals[b + 1], vals[b]), pack(vals[b + 3], vals[b + 2]),
+                                pack(vals[b + 5], vals[b + 4]), pack(vals[b + 7], vals[b + 6])))
+
+    @device
+    def store8_fp8(a, row, c, vals, j):
+        b = 8 * j
+        lo = (int(pack_e4m3x2(vals[b + 3], vals[b + 2])) << 16) | int(pack_e4m3x2(vals[b + 1], vals[b]))
+        hi = (int(pack_e4m3x2(vals[b + 7], vals[b + 6])) << 16) | int(pack_e4m3x2(vals[b + 5], vals[b + 4]))
+        store_u32x2(a, row, c >> 1, (lo, hi))
+
+    return store8, store8_fp8
+
+
 def make_vector_kernel(kind, variant):
     """The 16-bytes-per-step kernel for ``kind`` in bf16/f16: arrays arrive as ``uint32`` words.
 
@@ -237,16 +258,7 @@ def make_vector_kernel(kind, variant):
             buf[2 * k] += lo
             buf[2 * k + 1] += hi
 
-    @device
-    def store8(a, row, c, buf):
-        store_u32x4(a, row, c, (pack(buf[1], buf[0]), pack(buf[3], buf[2]),
-                                pack(buf[5], buf[4]), pack(buf[7], buf[6])))
-
-    @device
-    def store8_fp8(a, row, c, buf):
-        lo = (int(pack_e4m3x2(buf[3], buf[2])) << 16) | int(pack_e4m3x2(buf[1], buf[0]))
-        hi = (int(pack_e4m3x2(buf[7], buf[6])) << 16) | int(pack_e4m3x2(buf[5], buf[4]))
-        store_u32x2(a, row, c >> 1, (lo, hi))
+    store8, store8_fp8 = _make_stores(pack)
 
     @device
     def src8(buf, x, residual, row, c):
@@ -268,7 +280,7 @@ def make_vector_kernel(kind, variant):
         for v in range(tid, nv, nt):
             src8(s, x, residual, row, v << 2)
             if ADD:
-                store8(residual, row, v << 2, s)
+                store8(residual, row, v << 2, s, 0)
             for k in range(8):
                 ss += float64(s[k]) * float64(s[k])
         inv = inv_rms(block_sum64(ss), H, eps)
@@ -292,7 +304,7 @@ def make_vector_kernel(kind, variant):
             else:
                 src8(s, x, residual, row, c)
             if DYN_RES:
-                store8(residual, row, c, s)
+                store8(residual, row, c, s, 0)
             load8(w, weight, 0, c)
             for k in range(8):
                 n = rnd(s[k] * inv) * w[k]
@@ -303,9 +315,9 @@ def make_vector_kernel(kind, variant):
                 else:
                     w[k] = n
             if QUANT is None:
-                store8(out, row, c, w)
+                store8(out, row, c, w, 0)
             else:
-                store8_fp8(out, row, c, w)
+                store8_fp8(out, row, c, w, 0)
 
     kernel.__name__ = f"norm_{variant}_{kind}_vector"
     return kernel
@@ -329,17 +341,7 @@ def make_cached_kernel(kind, variant, vpt):
             vals[8 * j + 2 * k] = lo
             vals[8 * j + 2 * k + 1] = hi
 
-    @device
-    def encode_store(a, row, c, vals, j):
-        store_u32x4(a, row, c, (pack(vals[8 * j + 1], vals[8 * j]), pack(vals[8 * j + 3], vals[8 * j + 2]),
-                                pack(vals[8 * j + 5], vals[8 * j + 4]), pack(vals[8 * j + 7], vals[8 * j + 6])))
-
-    @device
-    def fp8_store(a, row, c, vals, j):
-        b = 8 * j
-        lo = (int(pack_e4m3x2(vals[b + 3], vals[b + 2])) << 16) | int(pack_e4m3x2(vals[b + 1], vals[b]))
-        hi = (int(pack_e4m3x2(vals[b + 7], vals[b + 6])) << 16) | int(pack_e4m3x2(vals[b + 5], vals[b + 4]))
-        store_u32x2(a, row, c >> 1, (lo, hi))
+    store8, store8_fp8 = _make_stores(pack)
 
     @device
     def load_words(words, a, row, tid, nt, nv):
@@ -382,7 +384,7 @@ def make_cached_kernel(kind, variant, vpt):
                 for k in range(8):
                     ss += float64(vals[8 * j + k]) * float64(vals[8 * j + k])
                 if ADD or DYN_RES:
-                    encode_store(residual, row, (tid + j * nt) << 2, vals, j)  # r(x + residual)
+                    store8(residual, row, (tid + j * nt) << 2, vals, j)  # r(x + residual)
         inv = inv_rms(block_sum64(ss), H, eps)
         # pass 2: normalise in registers
         for j in range(vpt):
@@ -409,14 +411,14 @@ def make_cached_kernel(kind, variant, vpt):
             v = tid + j * nt
             if v < nv:
                 if QUANT is None:
-                    encode_store(out, row, v << 2, vals, j)
+                    store8(out, row, v << 2, vals, j)
                 else:
                     for k in range(8):
                         if QUANT == "dynamic":
                             vals[8 * j + k] = _clamp_fp8(div_rn(vals[8 * j + k], q, rq))
                         else:
                             vals[8 * j + k] = _clamp_fp8(vals[8 * j + k] * q)
-                    fp8_store(out, row, v << 2, vals, j)
+                    store8_fp8(out, row, v << 2, vals, j)
 
     kernel.__name__ = f"norm_{variant}_{kind}_cached{vpt}"
     return kernel
