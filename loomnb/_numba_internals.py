@@ -250,7 +250,7 @@ class FastKernel:
             func = driver.CUfunction(self._handles.get(device_index) or self.compile(device_index))
             call = functools.partial(driver.cuLaunchKernel, func, grid, 1, 1, block, 1, 1, 0)
             self._driver_calls[(device_index, grid, block)] = call
-        return PreparedLaunch(self, call, device_index, grid, block, params)
+        return PreparedLaunch(self, call, device_index, params)
 
 
 class PreparedLaunch:
@@ -264,11 +264,10 @@ class PreparedLaunch:
     :meth:`failed`.
     """
 
-    __slots__ = ("kernel", "device", "grid", "block", "driver_call", "params", "_buf", "_ptrs")
+    __slots__ = ("kernel", "device", "driver_call", "params", "_buf", "_ptrs")
 
-    def __init__(self, kernel, driver_call, device, grid, block, params):
-        self.kernel, self.device, self.grid, self.block = kernel, device, grid, block
-        self.driver_call = driver_call
+    def __init__(self, kernel, driver_call, device, params):
+        self.kernel, self.device, self.driver_call = kernel, device, driver_call
         n = kernel._nparams
         self._buf = ctypes.create_string_buffer(8 * n)
         struct.pack_into(kernel._fmt, self._buf, 0, *params)
