@@ -20,26 +20,21 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as H  # noqa: E402
+import torch  # noqa: E402
 
-import loomnb
-from loomnb.ops import norm
+import loomnb  # noqa: E402
+from loomnb.ops import norm  # noqa: E402
 
 
 def per_call_us(fn, n=20000, repeats=7):
-    for _ in range(500):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        samples.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
+    """Median host time to issue one call (the harness's eager timer, ``host_us``)."""
+    return H.time_eager(fn, n, repeats=repeats, warmup=500)["host_us"]
 
 
 def host_cpu():
