@@ -237,6 +237,7 @@ class Provider:
     """A family's implementations subclass this. ``skip`` (set by setup) skips every case of the
     provider with that reason; ``unsupported(case)`` marks single cases n/a; ``error_status`` is
     the status of a case whose call raised ("error"; "skip" for e.g. compiler failures)."""
+    family = None  # the benchmark Family (set by make_provider)
     name = ""
     skip: str | None = None
     error_status = "error"
@@ -455,3 +456,310 @@ def write_results(out_dir, stem: str, meta: dict, rows: list[dict]) -> tuple[Pat
 
 def timestamp() -> str:
     return _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+# ---------------------------------------------------------------- families: one main for all
+# A benchmark family (bench_<family>.py) describes its ops, bytes model, inputs and providers
+# in a Family subclass; the command line, the provider setup, the vLLM binding, the exactness
+# reference, the sweep, the copy bandwidth and the result files are run() below.
+from dataclasses import dataclass, field  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Op:
+    """One benchmarked op: the tensors it must read and write (the bytes model; the written
+    ones are also the outputs compared with the reference) and its name in vLLM (None: vLLM has
+    no such op)."""
+    name: str
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    vllm_name: str | None = ""  # "" = same as name
+    extra: dict = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def vllm(self):
+        return self.name if self.vllm_name == "" else self.vllm_name
+
+
+class Family:
+    """What a bench_<family>.py supplies. Cases vary ``x_axis`` (num_tokens, say) over
+    ``x_default`` for each combination of ``shape_axes``; ``make_inputs`` returns the tensors
+    (and scalars) of one call by role name."""
+    name = ""
+    ops: dict = {}
+    providers: dict = {}
+    x_axis, x_default, x_quick = "num_tokens", [1, 8, 32, 128, 1024, 16384], [1, 128, 16384]
+    shape_axes: list = []  # (flag, case key, default list, help)
+    dtypes = ("bf16", "fp16")
+    vllm_ns = "_C"
+    vllm_aliases: dict = {}
+    bytes_model = "every read tensor once + every written tensor once"
+    fake = {}  # provider -> (floor µs, GB/s) for --dry-run
+
+    def add_arguments(self, parser):
+        pass
+
+    def shape_label(self, case) -> str:
+        return ", ".join(f"{k} {case[k]}" for _, k, _, _ in self.shape_axes)
+
+    def op_bytes(self, op, case) -> int:
+        raise NotImplementedError
+
+    def make_inputs(self, op, case, device, seed) -> dict:
+        raise NotImplementedError
+
+    def scalars(self, case) -> dict:
+        """Scalar arguments of every call (eps, group size...), by role name."""
+        return {}
+
+    def cases(self, args) -> list[dict]:
+        import itertools
+        axes = [(k, getattr(args, k)) for _, k, _, _ in self.shape_axes]
+        out = []
+        for o in args.ops:
+            for combo in itertools.product(*(v for _, v in axes)):
+                for x in getattr(args, self.x_axis):
+                    case = {"op": o, **dict(zip((k for k, _ in axes), combo)), self.x_axis: x,
+                            "dtype": args.dtype, "l2": "cold" if args.l2_cold else "warm",
+                            **self.scalars_of_args(args)}
+                    case["x"] = x
+                    case["shape"] = self.shape_label(case)
+                    case["bytes"] = self.op_bytes(self.ops[o], case)
+                    out.append(case)
+        return out
+
+    def scalars_of_args(self, args) -> dict:
+        return {}
+
+
+class VllmProvider(Provider):
+    """vLLM's compiled ops from its .so, loaded without importing vllm; arguments are bound by
+    the schema's names (printed at start). Ops already registered in-process (tests) are used
+    when no library is given."""
+    name = "vllm"
+    family: Family = None
+
+    def setup(self, args, log):
+        path = args.vllm_lib or os.environ.get("LOOMNB_VLLM_LIB")
+        ns = getattr(torch.ops, self.family.vllm_ns)
+        first = next((o.vllm for o in self.family.ops.values() if o.vllm), None)
+        if path:
+            if not Path(path).is_file():
+                return f"vLLM library not found: {path}"
+            try:
+                torch.ops.load_library(path)
+            except Exception as e:  # noqa: BLE001
+                return f"torch.ops.load_library({path}) failed: {e!r}"
+            self.lib = str(Path(path).resolve())
+        elif first and hasattr(ns, first):
+            self.lib = f"torch.ops.{self.family.vllm_ns} already registered in this process"
+        else:
+            return "no --vllm-lib given and LOOMNB_VLLM_LIB is unset"
+        self.ns, self.schemas, self.bindings, self.log = ns, {}, {}, log
+        for op in self.family.ops.values():
+            if not op.vllm:
+                continue
+            try:
+                self.schemas[op.name] = str(getattr(ns, op.vllm).default._schema)
+            except (AttributeError, RuntimeError) as e:
+                self.schemas[op.name] = f"MISSING {op.vllm}: {e}"
+            log(f"[vllm] schema {self.schemas[op.name]}")
+
+    def unsupported(self, case):
+        if not self.family.ops[case["op"]].vllm:
+            return f"vLLM has no {case['op']}"
+
+    def bind(self, op, t, case):
+        try:
+            packet = getattr(self.ns, op.vllm)
+        except (AttributeError, RuntimeError) as e:
+            raise NotAvailable(f"torch.ops.{self.family.vllm_ns}.{op.vllm} missing: {e}") from e
+        scalars = tuple(self.family.scalars(case))
+        args, kwargs, desc = bind_schema(packet.default._schema, {**t, **self.family.scalars(case)},
+                                         op.reads + op.writes + scalars, self.family.vllm_aliases)
+        if op.name not in self.bindings:
+            self.log(f"[vllm] {op.name}({desc})")
+            self.bindings[op.name] = desc
+        return functools.partial(packet, *args, **kwargs), lambda _: {k: t[k] for k in op.writes}
+
+
+def compiled(torch_provider):
+    """The torch.compile twin of a provider of torch composites (its ``fn(op)`` gives the
+    composite): default mode, dynamic=False (one specialised kernel per shape). The first call
+    compiles, always outside timed regions; any failure is reported as a skip."""
+    class TorchCompile(torch_provider):
+        name = "torch_compile"
+        error_status = "skip"
+
+        def setup(self, args, log):
+            for knob in ("cache_size_limit", "recompile_limit"):  # one compile per shape per op
+                if hasattr(torch._dynamo.config, knob):
+                    setattr(torch._dynamo.config, knob, 256)
+            self.compiled = {}
+            return super().setup(args, log)
+
+        def fn(self, op):
+            if op.name not in self.compiled:
+                self.compiled[op.name] = torch.compile(super().fn(op), dynamic=False)
+            return self.compiled[op.name]
+
+    TorchCompile.__doc__ = compiled.__doc__
+    return TorchCompile
+
+
+def parse_args(family: Family, argv=None):
+    import argparse
+    results = Path(__file__).resolve().parent / "results"
+    p = argparse.ArgumentParser(description=f"{family.name} benchmark; see benchmarks/README.md")
+    a = p.add_argument
+    a("--out", type=Path, default=results, help="folder for the JSON and CSV (%(default)s)")
+    a("--ops", type=csv_list(str, family.ops), default=list(family.ops), help="comma list (default: all)")
+    a("--providers", type=csv_list(str, family.providers), default=list(family.providers),
+      help="comma list, in forward order (default: %(default)s)")
+    a("--" + family.x_axis.replace("_", "-"), type=csv_list(int),
+      help=f"default {','.join(map(str, family.x_default))} (--quick: {','.join(map(str, family.x_quick))})")
+    for flag, key, default, help_ in family.shape_axes:
+        a(flag, dest=key, type=csv_list(int), default=default, help=help_)
+    a("--dtype", choices=list(family.dtypes), default=family.dtypes[0])
+    a("--order", choices=["forward", "reverse", "both"], default="both",
+      help="provider order of the sweep; both = forward sweep, then reversed (default)")
+    a("--l2-cold", action="store_true",
+      help="rotate through enough input sets to exceed 2x L2 (default: warm, same buffers)")
+    a("--l2-bytes", type=int, help="L2 size for --l2-cold (default: the device's, else 60 MiB)")
+    a("--target-ms", type=float, help="GPU time of one graph replay (default 2; --quick 0.5)")
+    a("--repeats", type=int, help="timed replays / eager loops per case (default 15; --quick 5)")
+    a("--quick", action="store_true", help="fewer shapes and repeats, for smoke tests")
+    a("--no-exact", action="store_true", help="skip the byte-exactness runs")
+    a("--exact-ref", choices=["vllm", "torch"], default="vllm",
+      help="reference for exactness (vllm; falls back to torch, logged, if vLLM is unavailable)")
+    a("--vllm-lib", help="vLLM's _C_stable_libtorch.abi3.so (default: $LOOMNB_VLLM_LIB)")
+    a("--device", default="cuda", help="cuda, or cpu for a smoke test (wall-clock 'timings')")
+    a("--copy-gib", type=float, default=1.0, help="copy-bandwidth buffer size (GiB)")
+    a("--seed", type=int, default=0)
+    a("--tag", default="", help="appended to the result file names")
+    a("--dry-run", action="store_true", help="no GPU: fake timings, real plumbing and files")
+    family.add_arguments(p)
+    args = p.parse_args(argv)
+    if getattr(args, family.x_axis) is None:
+        setattr(args, family.x_axis, family.x_quick if args.quick else family.x_default)
+    args.target_ms = args.target_ms or (0.5 if args.quick else 2.0)
+    args.repeats = args.repeats or (5 if args.quick else 15)
+    if args.dry_run:
+        args.device = "cpu"
+    elif args.device != "cpu" and not torch.cuda.is_available():
+        p.error("no CUDA device: use --dry-run (fake timings) or --device cpu (smoke test)")
+    return args
+
+
+def make_provider(family, name):
+    prov = family.providers[name]()
+    prov.family = family
+    return prov
+
+
+def pick_ref(family, args, provs: dict, log):
+    """The exactness reference provider (vLLM, else torch with a logged note), or None."""
+    if args.no_exact:
+        return None
+    ref = provs.get(args.exact_ref)
+    if ref is None and args.exact_ref in family.providers:
+        ref = make_provider(family, args.exact_ref)
+        ref.skip = ref.setup(args, log)
+    if ref is None or ref.skip:
+        log(f"[exact] reference {args.exact_ref} unavailable ({ref.skip if ref else 'no provider'}); "
+            "comparing with torch")
+        ref = provs.get("torch") or make_provider(family, "torch")
+    return ref
+
+
+def run(family: Family, argv=None) -> Path:
+    """The benchmark command of ``family``: parse, set up providers, sweep both provider
+    orders, write JSON + CSV after every case (a killed run keeps what it finished)."""
+    args = parse_args(family, argv)
+    log = RunLog()
+    passes = provider_passes(args.providers, args.order)
+    provs = {n: make_provider(family, n) for n in args.providers}
+    cold = "cold" if args.l2_cold else "warm"
+    meta = {"benchmark": family.name, "format": 2, "dry_run": args.dry_run, "l2": cold,
+            "x_axis": family.x_axis,
+            **env_metadata(args.device, packages=("liger-kernel", "loomnb", "vllm", "tqdm",
+                                                  "flashinfer-python")),
+            "flags": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "provider_passes": passes, "units": UNITS, "bytes_model": family.bytes_model}
+    ref = None
+    measure = functools.partial(_fake_timing, family)
+    args.l2_bytes = args.l2_bytes or l2_bytes(args.device)
+    meta["l2_bytes"] = args.l2_bytes
+    if args.dry_run:
+        meta["copy_bandwidth"] = {"GBps": 4400.0, "method": "fake (dry run)"}
+    else:
+        for name, prov in provs.items():
+            prov.skip = prov.setup(args, log)
+            log(f"[{name}] " + (f"SKIPPED: {prov.skip}" if prov.skip else "ready"))
+        ref = pick_ref(family, args, provs, log)
+        measure = functools.partial(_case_timing, family, args)
+        meta["copy_bandwidth"] = copy_bandwidth(int(args.copy_gib * 2**30), device=args.device)
+        log(f"[copy] {meta['copy_bandwidth']['GBps']:.0f} GB/s (torch.mul, graph-replayed)")
+    meta["providers"] = {n: {"skip": p.skip, "about": (type(p).__doc__ or "").strip()}
+                         for n, p in provs.items()}
+    meta["exact_ref"] = "vllm (fake)" if args.dry_run else ref.name if ref else None
+    meta["copy_GBps"] = meta["copy_bandwidth"]["GBps"]
+    gpu = (meta.get("gpu") or args.device).replace(" ", "-")
+    stem = "_".join(x for x in (family.name, timestamp(), gpu, "l2cold" if args.l2_cold else "",
+                                "dryrun" if args.dry_run else "", args.tag) if x)
+    rows: list[dict] = []
+
+    def checkpoint():
+        for r in rows:
+            if r.get("GBps"):
+                r["pct_copy"] = 100.0 * r["GBps"] / meta["copy_GBps"]
+        vllm = ref if ref is not None and ref.name == "vllm" else provs.get("vllm")
+        if vllm is not None and not vllm.skip and hasattr(vllm, "schemas"):
+            meta["vllm"] = {"lib": vllm.lib, "schemas": vllm.schemas, "bindings": vllm.bindings}
+        meta["log"] = log.lines
+        return write_results(args.out, stem, meta, rows)
+
+    try:
+        with torch.inference_mode():  # as in vLLM: no autograd bookkeeping on any path
+            sweep(family.cases(args), passes, provs, measure=measure, ref=ref, log=log,
+                  outputs=functools.partial(_case_outputs, family, args), checkpoint=checkpoint,
+                  rows=rows)
+        if not args.dry_run:
+            end = copy_bandwidth(int(args.copy_gib * 2**30), device=args.device)
+            meta["copy_bandwidth_end"] = end
+            meta["copy_GBps"] = max(meta["copy_GBps"], end["GBps"])  # the achievable roofline
+            log(f"[copy] end of run: {end['GBps']:.0f} GB/s")
+    except BaseException as e:
+        meta["incomplete"] = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        json_path, csv_path = checkpoint()
+        log(f"wrote {json_path} and {csv_path}")
+    return json_path
+
+
+def _case_outputs(family, args, prov, case) -> dict:
+    """One call on fresh inputs (seed args.seed: identical for every provider); cloned outputs."""
+    op = family.ops[case["op"]]
+    t = family.make_inputs(op, case, args.device, args.seed)
+    call, collect = prov.bind(op, t, case)
+    return {k: v.clone() for k, v in collect(call()).items()}
+
+
+def _case_timing(family, args, prov, case, pass_i) -> dict:
+    op = family.ops[case["op"]]
+    make_call = lambda i: prov.bind(  # noqa: E731
+        op, family.make_inputs(op, case, args.device, args.seed + 1000 + i), case)[0]
+    return time_case(make_call, case["bytes"], l2_cold=args.l2_cold, l2=args.l2_bytes,
+                     target_ms=args.target_ms, repeats=args.repeats, device=args.device)
+
+
+def _fake_timing(family, prov, case, pass_i) -> dict:
+    """--dry-run: made-up but plausible numbers (and exactness) so the plumbing runs on CPU."""
+    floor, bw = family.fake.get(prov.name, (5.0, 3000.0))
+    us = (floor + case["bytes"] / (bw * 1e3)) * (1 + 0.02 * pass_i)
+    ex = 1.0 if prov.name in ("loomnb", "vllm") else 0.995
+    return {"l2_sets": 1, "graph_us": us, "graph_us_min": 0.98 * us, "graph_n": 100,
+            "eager_us": us + 9.0, "host_us": 9.0, "eager_n": 100, "timer": "fake",
+            "GBps": case["bytes"] / (us * 1e-6) / 1e9,
+            "exact": {k: ex for k in family.ops[case["op"]].writes}, "exact_min": ex}

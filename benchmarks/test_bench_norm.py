@@ -164,7 +164,7 @@ def test_cpu_smoke_run_end_to_end(tmp_path, monkeypatch):
     """The real sweep path on CPU: mock vLLM ops bound by schema, exactness vs them, timers
     (wall-clock fallback), both provider orders, JSON/CSV, then the summary."""
     register_mock_vllm()
-    monkeypatch.setattr(B, "VLLM_NS", MOCK_NS)
+    monkeypatch.setattr(B.FAMILY, "vllm_ns", MOCK_NS)
     monkeypatch.delenv("LOOMNB_VLLM_LIB", raising=False)
     path = B.main(["--device", "cpu", "--providers", "vllm,torch,liger,loomnb",
                    "--num-tokens", "1,8", "--hidden-sizes", "256", "--repeats", "2",
@@ -204,7 +204,7 @@ def test_dry_run_and_summary(tmp_path):
 def gpu_env():
     args = B.parse_args(["--quick"])
     log = H.RunLog()
-    provs = {n: B.PROVIDERS[n]() for n in B.PROVIDERS}
+    provs = {n: H.make_provider(B.FAMILY, n) for n in B.PROVIDERS}
     for p in provs.values():
         p.skip = p.setup(args, log)
     return args, provs
@@ -223,7 +223,7 @@ def test_gpu(benchmark, gpu_env, op, provider, num_tokens):
         pytest.skip(reason)
     t = B.make_inputs(o, num_tokens, h, "bf16", "cuda", 0)
     try:
-        call, _ = prov.bind(o, t, 1e-6)
+        call, _ = prov.bind(o, t, {"eps": 1e-6})
     except H.NotAvailable as e:
         pytest.skip(str(e))
     res = H.time_graph(call, target_ms=1.0, repeats=10)
@@ -253,7 +253,7 @@ def test_gpu_eager_per_call(benchmark, gpu_env, op, provider):
         pytest.skip(reason)
     t = B.make_inputs(o, 1, 4096, "bf16", "cuda", 0)
     try:
-        call, _ = prov.bind(o, t, 1e-6)
+        call, _ = prov.bind(o, t, {"eps": 1e-6})
     except H.NotAvailable as e:
         pytest.skip(str(e))
 

@@ -4,15 +4,15 @@ Each operator is ``loomnb.<name>``; its NumPy/ml_dtypes reference is ``loomnb.or
 with the same signature. On a GPU the ops take device arrays (torch CUDA tensors, CuPy arrays,
 numba device arrays) without copying and launch on the caller's current stream; under numba's
 CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) they take NumPy arrays (bf16/FP8 as ml_dtypes).
+With torch installed every op is also ``torch.ops.loomnb.<name>`` (torch.compile sees one node).
 """
 
-from . import oracle
+from . import ops, oracle
 from .checks import LoomnbError, LoomnbTypeError, LoomnbValueError
-from .ops import (fused_add_rms_norm, fused_add_rms_norm_static_fp8_quant, rms_norm,
-                  rms_norm_dynamic_per_token_quant, rms_norm_static_fp8_quant)
 
 __version__ = "0.1.0"
 
-__all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_dynamic_per_token_quant",
-           "rms_norm_static_fp8_quant", "fused_add_rms_norm_static_fp8_quant", "oracle",
-           "LoomnbError", "LoomnbTypeError", "LoomnbValueError"]
+for _name in ops.OPS:  # every family's ops
+    globals()[_name] = getattr(ops, _name)
+del _name
+__all__ = [*ops.OPS, "oracle", "LoomnbError", "LoomnbTypeError", "LoomnbValueError"]

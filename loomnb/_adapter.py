@@ -23,45 +23,51 @@ default stream. Outputs are allocated by the caller's library on the input's dev
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import numpy as np
 
-from ._numba_internals import SIM, array_params
+from . import _dtypes
+from ._numba_internals import SIM
 from .checks import LoomnbTypeError, LoomnbValueError
 
-CU_STREAM_PER_THREAD = 2
+CU_STREAM_LEGACY, CU_STREAM_PER_THREAD = 1, 2
+CAI_MAX_VERSION = 3  # the newest __cuda_array_interface__ version this adapter knows
 
-_NAME_KINDS = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float8_e4m3fn": "fp8",
-               "int32": "i32", "int64": "i64", "uint8": "u8"}
-_KIND_STORAGE = {"bf16": np.uint16, "f16": np.uint16, "f32": np.float32, "fp8": np.uint8,
-                 "i32": np.int32, "i64": np.int64, "u8": np.uint8}
-_ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4, "fp8": 1, "i32": 4, "i64": 8, "u8": 1}
+try:  # torch is optional: loomnb also runs on CuPy and numba arrays, and NumPy (simulator)
+    import torch as _torch
+    _torch_kinds = {_dtypes.torch_dtype(k): k for k in _dtypes.DTYPES}
+    is_compiling = _torch.compiler.is_compiling
+except ImportError:  # pragma: no cover - CI always has torch
+    _torch, _torch_kinds = None, {}
 
-_torch = None
-_torch_kinds = {}
-
-
-def _load_torch():
-    global _torch, _torch_kinds
-    if _torch is None and "torch" in sys.modules:
-        import torch
-        _torch = torch
-        _torch_kinds = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32",
-                        torch.float8_e4m3fn: "fp8", torch.int32: "i32", torch.int64: "i64",
-                        torch.uint8: "u8"}
-    return _torch
+    def is_compiling():
+        return False
 
 
 class Arr:
-    """What a kernel needs to know about one caller array: no data is touched or copied."""
+    """What a kernel needs to know about one caller array: no data is touched or copied.
 
-    __slots__ = ("obj", "lib", "kind", "dtype_name", "shape", "strides", "ptr", "device", "_extent")
+    ``shape`` and ``strides`` are in elements; ``readonly`` is set for read-only NumPy arrays
+    and ``__cuda_array_interface__`` exports that say so; ``sync_stream`` is the producer
+    stream a ``__cuda_array_interface__`` v3 export asks its consumer to synchronise with.
+    """
 
-    def __init__(self, obj, lib, kind, dtype_name, shape, strides, ptr, device):
+    __slots__ = ("obj", "lib", "kind", "dtype_name", "shape", "strides", "ptr", "device",
+                 "readonly", "sync_stream", "alloc", "_extent")
+
+    def __init__(self, obj, lib, kind, dtype_name, shape, strides, ptr, device, readonly=False,
+                 sync_stream=None, alloc=None):
         self.obj, self.lib, self.kind, self.dtype_name = obj, lib, kind, dtype_name
-        self.shape, self.strides, self.ptr, self.device = shape, strides, ptr, device
+        self.shape, self.strides, self.ptr, self.device = tuple(shape), tuple(strides), ptr, device
+        self.readonly, self.sync_stream = readonly, sync_stream
+        self.alloc = alloc  # set when loomnb allocated it: how to allocate it again (fast path)
         self._extent = None
+
+    def view(self, shape, strides, ptr=None):
+        """The same memory described with another shape and strides (in elements)."""
+        return Arr(self.obj, self.lib, self.kind, self.dtype_name, shape, strides,
+                   self.ptr if ptr is None else ptr, self.device, self.readonly, self.sync_stream,
+                   self.alloc)
 
     @property
     def ndim(self):
@@ -69,7 +75,14 @@ class Arr:
 
     @property
     def itemsize(self):
-        return _ITEMSIZE[self.kind]
+        return _dtypes.itemsize(self.kind)
+
+    @property
+    def size(self):
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
 
     def is_c_contiguous(self):
         if 0 in self.shape:
@@ -98,33 +111,6 @@ class Arr:
         b0, b1 = other.extent()
         return a0 < b1 and b0 < a1
 
-    # ---- what the kernel receives ------------------------------------------------------
-    def sim_view(self, words=False):
-        """Simulator: the NumPy array as its storage dtype (uint32 words if ``words``)."""
-        a = self.obj.view(_KIND_STORAGE[self.kind])
-        return a.view(np.uint32) if words else a
-
-    def params(self, words=False):
-        """GPU: the flattened numba parameters for this array (as uint32 words if ``words``)."""
-        isz = self.itemsize
-        strides = tuple(s * isz for s in self.strides)
-        shp = tuple(self.shape)
-        if words:
-            shp = shp[:-1] + (shp[-1] * isz // 4,)
-            strides = strides[:-1] + (4,)
-            isz = 4
-        return array_params(self.ptr, shp, strides, isz)
-
-
-_TORCH_DTYPE_NAMES = {}
-
-
-def _torch_dtype_name(dtype):
-    name = _TORCH_DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _TORCH_DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
-    return name
-
 
 def _describe(obj):
     t = type(obj)
@@ -133,9 +119,8 @@ def _describe(obj):
 
 def wrap(op, name, obj):
     """Describe ``obj`` as an :class:`Arr`, or raise a clear error naming ``name``."""
-    torch = _torch or _load_torch()
+    torch = _torch
     if torch is not None and isinstance(obj, torch.Tensor):
-        kind = _torch_kinds.get(obj.dtype)
         dev = obj.get_device()
         if SIM:
             raise LoomnbTypeError(
@@ -145,7 +130,8 @@ def wrap(op, name, obj):
             raise LoomnbTypeError(
                 f"{op}: argument '{name}' must be a CUDA device array; got a host torch tensor "
                 f"(device {obj.device}). Move it with .cuda() first")
-        return Arr(obj, "torch", kind, _torch_dtype_name(obj.dtype), obj.shape,
+        kind = _torch_kinds.get(obj.dtype)
+        return Arr(obj, "torch", kind, str(obj.dtype).replace("torch.", ""), obj.shape,
                    obj.stride(), obj.data_ptr(), dev)
     if isinstance(obj, np.ndarray):
         if not SIM:
@@ -153,22 +139,51 @@ def wrap(op, name, obj):
                 f"{op}: argument '{name}' must be a CUDA device array (torch CUDA tensor, CuPy or "
                 f"numba device array); got a host numpy.ndarray of shape {obj.shape}. Host arrays "
                 "are accepted only under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1)")
-        kind = _NAME_KINDS.get(obj.dtype.name)  # None: rejected by the op's dtype check
+        kind = _dtypes.KIND_OF_NAME.get(obj.dtype.name)  # None: rejected by the op's dtype check
+        if any(s % obj.itemsize for s in obj.strides):
+            raise LoomnbValueError(f"{op}: argument '{name}' must have strides that are whole "
+                                   f"elements; got byte strides {obj.strides}")
         strides = tuple(s // obj.itemsize for s in obj.strides)
         return Arr(obj, "numpy", kind, obj.dtype.name, obj.shape, strides,
-                   obj.__array_interface__["data"][0], 0)
+                   obj.__array_interface__["data"][0], 0, readonly=not obj.flags.writeable)
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is None or SIM:
         where = "a NumPy array (simulator)" if SIM else "a CUDA device array"
         raise LoomnbTypeError(f"{op}: argument '{name}' must be {where}; got {_describe(obj)}")
+    return _wrap_cai(op, name, obj, cai)
+
+
+def _wrap_cai(op, name, obj, cai):
+    """An object exporting ``__cuda_array_interface__`` (versions 0-3), read whole: the dtype
+    from the object (never the typestr, which torch has exported as ``<f2``/``<V2`` for bf16),
+    ``data`` = (pointer, read-only flag), ``strides`` in bytes or None (C-contiguous), zero-size
+    arrays (pointer 0), no ``mask`` (rejected: loomnb's kernels read every element), and v3's
+    ``stream`` (the producer's stream, synchronised before the launch when it differs)."""
+    def bad(expected, got):
+        raise LoomnbValueError(f"{op}: argument '{name}' must be {expected}; got {got}")
+
+    version = cai.get("version", 0)
+    if not isinstance(version, int) or not 0 <= version <= CAI_MAX_VERSION:
+        bad(f"a __cuda_array_interface__ of version 0..{CAI_MAX_VERSION}", f"version {version!r}")
+    if cai.get("mask") is not None:
+        bad("an array without a __cuda_array_interface__ mask (loomnb reads every element)",
+            "an export with a mask")
     dtype = getattr(obj, "dtype", None)
-    kind = _NAME_KINDS.get(getattr(dtype, "name", None))
+    kind = _dtypes.KIND_OF_NAME.get(getattr(dtype, "name", None))
     if kind is None:
         raise LoomnbTypeError(
             f"{op}: argument '{name}' has dtype {dtype!r} (typestr {cai.get('typestr')}); loomnb "
-            "reads the dtype from the array object, and supports " + ", ".join(_NAME_KINDS))
-    shape = tuple(cai["shape"])
-    isz = np.dtype(cai["typestr"]).itemsize if cai.get("typestr") else _ITEMSIZE[kind]
+            "reads the dtype from the array object, and supports "
+            + ", ".join(d.name for d in _dtypes.DTYPES.values()))
+    isz = _dtypes.itemsize(kind)
+    typestr = cai.get("typestr")
+    try:
+        typestr_size = np.dtype(typestr).itemsize if typestr else isz
+    except TypeError:
+        typestr_size = isz  # a typestr NumPy cannot parse says nothing about the size
+    if typestr_size != isz:
+        bad(f"an export whose typestr has the itemsize of {dtype.name} ({isz})", f"typestr {typestr}")
+    shape = tuple(int(n) for n in cai["shape"])
     if cai.get("strides") is None:
         strides, acc = [], 1
         for n in reversed(shape):
@@ -176,11 +191,17 @@ def wrap(op, name, obj):
             acc *= n
         strides = tuple(reversed(strides))
     else:
+        if any(s % isz for s in cai["strides"]):
+            bad("strides that are whole elements", f"byte strides {tuple(cai['strides'])}")
         strides = tuple(s // isz for s in cai["strides"])
+    ptr, readonly = cai["data"]
     lib = "cupy" if type(obj).__module__.startswith("cupy") else (
         "numba" if type(obj).__module__.startswith("numba") else "cai")
-    ptr = cai["data"][0]
-    return Arr(obj, lib, kind, dtype.name, shape, strides, ptr, _device_of(obj, lib, ptr))
+    stream = cai.get("stream") if version >= 3 else None
+    if stream == 0:
+        bad("an export whose stream is not 0 (the spec disallows 0)", "stream 0")
+    return Arr(obj, lib, kind, dtype.name, shape, strides, ptr, _device_of(obj, lib, ptr),
+               readonly=bool(readonly), sync_stream=stream)
 
 
 def _device_of(obj, lib, ptr):
@@ -197,31 +218,53 @@ def _device_of(obj, lib, ptr):
     return int(dev)
 
 
+def sync_producers(arrs, stream):
+    """``__cuda_array_interface__`` v3: before launching on ``stream``, wait (on the host) for
+    each export's producer stream that differs from it, as the protocol asks of a consumer."""
+    from cuda.bindings import driver
+    legacy = (0, CU_STREAM_LEGACY)
+    for a in arrs:
+        s = a.sync_stream
+        if s is None or s == stream or (s in legacy and stream in legacy):
+            continue
+        err, = driver.cuStreamSynchronize(s)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"loomnb: synchronising the producer stream {s:#x} failed: {err!r}")
+
+
 # --------------------------------------------------------------------------------------------
 def empty(like, shape, kind):
     """A new uninitialised array of ``kind`` and ``shape``, from ``like``'s library and device."""
     if like.lib == "torch":
-        torch = _torch
-        tdtype = {v: k for k, v in _torch_kinds.items()}[kind]
-        return torch.empty(shape, dtype=tdtype, device=like.obj.device)
-    npdtype = _numpy_dtype(kind)
+        return _torch.empty(shape, dtype=_dtypes.torch_dtype(kind), device=like.obj.device)
+    npdtype = _dtypes.numpy_dtype(kind)
     if like.lib == "numpy":
         return np.empty(shape, dtype=npdtype)
     if like.lib == "cupy":
         import cupy
         with cupy.cuda.Device(like.device):
             # CuPy has no FP8 dtype: FP8 outputs come back as uint8 codes.
-            return cupy.empty(shape, dtype=np.uint8 if kind == "fp8" else npdtype)
+            return cupy.empty(shape, dtype=np.uint8 if kind.startswith("fp8") else npdtype)
     from numba import cuda
     with cuda.gpus[like.device]:
         return cuda.device_array(shape, dtype=npdtype)
 
 
-def _numpy_dtype(kind):
-    import ml_dtypes
-    return {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32,
-            "fp8": ml_dtypes.float8_e4m3fn, "i32": np.int32, "i64": np.int64,
-            "u8": np.uint8}[kind]
+def torch_allocator(like, shape, kind):
+    """``() -> new torch tensor`` of ``shape``/``kind`` on ``like``'s device (what the eager
+    fast path calls to allocate an output on a replayed call); None for other libraries."""
+    if like.lib != "torch":
+        return None
+    import functools
+    return functools.partial(_torch.empty, shape, dtype=_dtypes.torch_dtype(kind),
+                             device=like.obj.device)
+
+
+def torch_runtime():
+    """(current device, current raw stream of a device, more than one GPU) from torch."""
+    torch = _torch
+    return (torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream,
+            torch.cuda.device_count() > 1)
 
 
 def stream_handle(arr, stream):
@@ -259,16 +302,13 @@ def _noop():
     yield
 
 
-_NOOP = _noop
-
-
 def device_guard(arr):
     """Make ``arr``'s device current for the launch (a no-op when it already is)."""
     if arr.lib == "torch":
         if _torch._C._cuda_getDevice() == arr.device:
-            return _NOOP()
+            return _noop()
         return _torch.cuda.device(arr.device)
     if arr.lib == "numpy":
-        return _NOOP()
+        return _noop()
     from numba import cuda
     return cuda.gpus[arr.device]

@@ -7,7 +7,7 @@ assumptions change. What we rely on:
 1. **Inline PTX through ``numba.cuda.extending.intrinsic``** (llvmlite ``InlineAsm``): Hopper's
    packed conversions ``cvt.rn.bf16x2.f32``, ``cvt.rn.f16x2.f32``,
    ``cvt.rn.satfinite.e4m3x2.f32`` and ``cvt.f32.f16``, and 16-byte vector loads/stores
-   (``ld.global.v4.u32``) on 2-D ``uint32`` arrays. Each has a portable twin in
+   (``ld.global.v4.u32``, ``v2``) on 1-D ``uint32`` row views. Each has a portable twin in
    :mod:`loomnb.layouts.dtypes`, and a GPU test proves them bit-identical.
 2. **The kernel parameter ABI** (``_Kernel._prepare_args``): a kernel argument of type
    ``Array(dtype, ndim)`` becomes ``5 + 2*ndim`` parameters (meminfo, parent, nitems, itemsize,
@@ -88,23 +88,24 @@ if not SIM:
 
         return sig, codegen
 
-    def _vec_ptr(context, builder, aryty, ary, row, col, n):
+    def _vec_ptr(context, builder, aryty, ary, idx, n):
         arr = context.make_array(aryty)(context, builder, ary)
         ptr = cgutils.get_item_pointer2(
             context, builder, data=arr.data, shape=cgutils.unpack_tuple(builder, arr.shape),
-            strides=cgutils.unpack_tuple(builder, arr.strides), layout=aryty.layout,
-            inds=[row, col],
+            strides=cgutils.unpack_tuple(builder, arr.strides), layout=aryty.layout, inds=[idx],
         )
         return builder.bitcast(ptr, ir.PointerType(ir.VectorType(_i32, n)))
 
     def _make_load(n):
+        """``load(a, i)``: words ``a[i : i + n]`` of a 1-D uint32 array in one ``ld.v{n}.u32``
+        (the address must be ``4 * n``-byte aligned)."""
         @intrinsic
-        def load(typingctx, ary, row, col):
-            sig = types.UniTuple(types.uint32, n)(ary, types.intp, types.intp)
+        def load(typingctx, ary, idx):
+            sig = types.UniTuple(types.uint32, n)(ary, types.intp)
 
             def codegen(context, builder, sig, args):
-                ary_v, row_v, col_v = args
-                ptr = _vec_ptr(context, builder, sig.args[0], ary_v, row_v, col_v, n)
+                ary_v, idx_v = args
+                ptr = _vec_ptr(context, builder, sig.args[0], ary_v, idx_v, n)
                 vec = builder.load(ptr, align=4 * n)
                 items = [builder.extract_element(vec, ir.Constant(_i32, k)) for k in range(n)]
                 return context.make_tuple(builder, sig.return_type, items)
@@ -114,13 +115,15 @@ if not SIM:
         return load
 
     def _make_store(n):
+        """``store(a, i, vals)``: the ``n`` words of ``vals`` to ``a[i : i + n]`` in one
+        ``st.v{n}.u32``."""
         @intrinsic
-        def store(typingctx, ary, row, col, vals):
-            sig = types.void(ary, types.intp, types.intp, types.UniTuple(types.uint32, n))
+        def store(typingctx, ary, idx, vals):
+            sig = types.void(ary, types.intp, types.UniTuple(types.uint32, n))
 
             def codegen(context, builder, sig, args):
-                ary_v, row_v, col_v, vals_v = args
-                ptr = _vec_ptr(context, builder, sig.args[0], ary_v, row_v, col_v, n)
+                ary_v, idx_v, vals_v = args
+                ptr = _vec_ptr(context, builder, sig.args[0], ary_v, idx_v, n)
                 vec = ir.Constant(ir.VectorType(_i32, n), None)
                 for k in range(n):
                     vec = builder.insert_element(vec, builder.extract_value(vals_v, k), ir.Constant(_i32, k))
@@ -131,6 +134,7 @@ if not SIM:
         return store
 
     load_u32x4 = _make_load(4)
+    load_u32x2 = _make_load(2)
     store_u32x4 = _make_store(4)
     store_u32x2 = _make_store(2)
 
@@ -175,6 +179,14 @@ def sim_device_array(ary):
 # Direct launch of a compiled kernel
 # --------------------------------------------------------------------------------------------
 
+_SCALAR_SLOTS = {types.float32: "f4x", types.float64: "d", types.int32: "i4x",
+                 types.uint32: "I4x", types.int64: "q", types.uint64: "Q", types.boolean: "?7x"}
+
+
+def _dim3(v):
+    return (v, 1, 1) if isinstance(v, int) else tuple(v) + (1,) * (3 - len(v))
+
+
 def param_slots(argtypes):
     """Struct-pack format of the kernel parameters numba generates for ``argtypes``.
 
@@ -187,11 +199,8 @@ def param_slots(argtypes):
             k = 5 + 2 * ty.ndim
             fmt += "q" * k
             n += k
-        elif ty == types.float32:
-            fmt += "f4x"
-            n += 1
-        elif ty in (types.int64, types.uint64, types.intp):
-            fmt += "q"
+        elif ty in _SCALAR_SLOTS:
+            fmt += _SCALAR_SLOTS[ty]
             n += 1
         else:  # pragma: no cover - a kernel author error, caught by the internals test
             raise TypeError(f"loomnb FastKernel: unsupported kernel parameter type {ty}")
@@ -241,22 +250,26 @@ class FastKernel:
             self._handles[device_index] = h
         return h
 
-    def prepare(self, device_index, grid, block, params):
-        """A :class:`PreparedLaunch`: the parameters packed once, replayable on any stream."""
-        call = self._driver_calls.get((device_index, grid, block))
+    def prepare(self, device_index, grid, block, params, shared_bytes=0):
+        """A :class:`PreparedLaunch`: the parameters packed once, replayable on any stream.
+        ``grid`` and ``block`` are ints or tuples of up to three; ``shared_bytes`` is the
+        dynamic shared memory."""
+        call = self._driver_calls.get((device_index, grid, block, shared_bytes))
         if call is None:
             from cuda.bindings import driver
 
             func = driver.CUfunction(self._handles.get(device_index) or self.compile(device_index))
-            call = functools.partial(driver.cuLaunchKernel, func, grid, 1, 1, block, 1, 1, 0)
-            self._driver_calls[(device_index, grid, block)] = call
+            call = functools.partial(driver.cuLaunchKernel, func, *_dim3(grid), *_dim3(block),
+                                     shared_bytes)
+            self._driver_calls[(device_index, grid, block, shared_bytes)] = call
         return PreparedLaunch(self, call, device_index, params)
 
 
 class PreparedLaunch:
     """One kernel launch with fixed arguments, packed once; ``launch(stream)`` only calls the
     driver. The stream is a per-call argument (never stored), so graph capture sees each launch.
-    The packed block is read-only after construction, so concurrent launches need no lock.
+    The packed block is read-only after construction (except through :meth:`set_slot`), so
+    concurrent launches need no lock.
 
     ``driver_call(stream, params, 0)`` is the bare driver call (``cuLaunchKernel`` with every
     argument but the stream bound) returning ``(CUresult,)``; ``params`` is the address of the
@@ -275,6 +288,12 @@ class PreparedLaunch:
         self._ptrs = kernel._ptr_array.from_buffer_copy(
             struct.pack(kernel._ptr_fmt, *range(base, base + 8 * n, 8)))
         self.params = ctypes.addressof(self._ptrs)
+
+    def set_slot(self, slot, value):
+        """Overwrite the 8-byte parameter ``slot`` with the integer ``value`` (a data pointer:
+        the eager fast path points a replayed launch at a newly allocated output). Not
+        thread-safe on its own: the caller holds a lock from here to the launch."""
+        struct.pack_into("<q", self._buf, 8 * slot, value)
 
     def launch(self, stream_handle):
         err, = self.driver_call(stream_handle, self.params, 0)

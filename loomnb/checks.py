@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._dtypes import DTYPES
+
 
 class LoomnbError(Exception):
     """Base class of loomnb's errors."""
@@ -30,9 +32,9 @@ def fail_value(op, name, expected, got):
 
 
 def check_kind(op, name, arr, allowed):
-    """``arr.kind`` (one of 'bf16', 'f16', 'f32', 'fp8') must be in ``allowed``."""
+    """``arr.kind`` (a kind of ``loomnb._dtypes.DTYPES``) must be in ``allowed``."""
     if arr.kind not in allowed:
-        fail_type(op, name, "of dtype " + " or ".join(_DTYPE_NAMES[k] for k in allowed),
+        fail_type(op, name, "of dtype " + " or ".join(DTYPES[k].name for k in allowed),
                   f"dtype {arr.dtype_name}")
 
 
@@ -93,5 +95,8 @@ def check_eps(op, eps):
     return e
 
 
-_DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "fp8": "float8_e4m3fn",
-                "i32": "int32", "i64": "int64", "u8": "uint8"}
+def check_writable(op, name, arr):
+    """An array the op writes must be writable (a read-only NumPy array, or a
+    ``__cuda_array_interface__`` whose ``data`` says read-only, is rejected before any launch)."""
+    if arr.readonly:
+        fail_value(op, name, "a writable array", "a read-only array")

@@ -41,3 +41,26 @@ def pytest_collection_modifyitems(config, items):
         if "nosim" in item.keywords and SIM:
             item.add_marker(pytest.mark.skip(
                 reason="needs the real numba-cuda compiler: runs in the plain pytest pass"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Simulator pass: every kernel an op launched must be a variant its family declares (the
+    variants tests/test_ptx.py compiles for sm_90), so no launched kernel escapes the PTX test."""
+    if not SIM or exitstatus != 0:
+        return
+    import importlib
+    import pkgutil
+
+    import loomnb.ops
+    from loomnb.ops import _launch
+
+    declared = set()
+    for m in pkgutil.iter_modules(loomnb.ops.__path__):
+        if m.name.endswith("_kernels"):
+            declared |= {(f, s, sig) for f, s, sig in importlib.import_module(f"loomnb.ops.{m.name}").variants()}
+    missing = _launch.launched() - declared
+    if missing:
+        print("\nlaunched kernels no family declares in variants() (so the PTX test misses them):")
+        for f, s, sig in sorted(missing, key=str)[:20]:
+            print(f"  {f.__name__}({s}) {sig}")
+        session.exitstatus = 1

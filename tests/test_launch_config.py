@@ -6,18 +6,19 @@ checks the arithmetic itself, for the hidden sizes of common models and awkward 
 
 import pytest
 
-from loomnb.ops.norm import CACHED_VPT, SMALL_BATCH, launch_config
+from loomnb.ops._norm_kernels import CACHED_VPT
+from loomnb.ops.norm import SMALL_BATCH, launch_config
 
 
 @pytest.mark.parametrize("hidden_size", [8, 72, 576, 2048, 4096, 5120, 8192, 12288, 16384, 65536, 65544])
-@pytest.mark.parametrize("num_tokens", [1, SMALL_BATCH, SMALL_BATCH + 1, 16384])
-def test_vector_config_covers_the_row(hidden_size, num_tokens):
-    threads, vpt = launch_config(hidden_size, True, None, num_tokens)
+@pytest.mark.parametrize("num_rows", [1, SMALL_BATCH, SMALL_BATCH + 1, 16384])
+def test_cached_config_covers_the_row(hidden_size, num_rows):
+    threads, vpt = launch_config(hidden_size, True, None, num_rows)
     assert threads % 32 == 0 and 32 <= threads <= 1024
     if vpt:
         assert vpt in CACHED_VPT and threads * vpt * 8 >= hidden_size
     else:
-        assert threads == 1024 and 1024 * max(CACHED_VPT) * 8 < hidden_size  # streams
+        assert threads == 1024 and 1024 * max(CACHED_VPT) * 8 < hidden_size  # scalar layout
 
 
 def test_small_batches_hold_fewer_units_per_thread():

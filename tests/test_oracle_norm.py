@@ -83,7 +83,7 @@ def test_dynamic_quant_scale_floor_ub_and_fp32_residual_sum():
 def test_static_quant_multiplies_by_reciprocal_and_saturates():
     x = np.array([[1.0, -1.0, 1.0, -1.0]], BF16)
     w = np.array([1.0, 1.0, 500.0, -500.0], BF16)
-    q = oracle.rms_norm_static_fp8_quant(None, x, w, np.array([1.0], np.float32), 0.0)
+    q = oracle.rms_norm_static_fp8_quant(x, w, np.array([1.0], np.float32), 0.0)
     assert list(q.view(np.uint8)[0]) == [0x38, 0xB8, 0x7E, 0x7E]  # 1, -1, 448 (sat), 448 (sat)
 
 
@@ -96,3 +96,35 @@ def test_rms_norm_fp32_matches_float64_property(values, eps):
     y = oracle.rms_norm(x, w, eps).astype(np.float64)
     ref = _ref64(x, w, np.float32(eps))
     assert np.allclose(y, ref, rtol=1e-5, atol=1e-30)
+
+
+def test_rounding_once_rounds_only_the_product():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((16, 128)).astype(BF16)
+    w = (rng.standard_normal(128) * 3).astype(BF16)
+    xf, wf = x.astype(np.float32), w.astype(np.float32)
+    inv = oracle.norm._inv_rms(xf, 1e-6)
+    want = (xf * inv * wf).astype(BF16)
+    assert np.array_equal(oracle.rms_norm(x, w, 1e-6, rounding="once").view(np.uint16), want.view(np.uint16))
+    twice = oracle.rms_norm(x, w, 1e-6)
+    assert (twice.view(np.uint16) != want.view(np.uint16)).mean() > 0.05
+
+
+def test_nan_is_the_canonical_gpu_nan():
+    """bf16/fp16 NaN outputs are 0x7FFF (the GPU's cvt and vLLM's/torch's CUDA kernels), not
+    ml_dtypes' sign-keeping 0x7FC0/0xFFC0."""
+    for dt in (BF16, np.float16):
+        x = np.array([[1.0, np.nan, -2.0, 3.0]], dt)
+        y = oracle.rms_norm(x, np.ones(4, dt), 1e-6)
+        assert set(y.view(np.uint16)[0].tolist()) == {0x7FFF}
+        neg = oracle.to_dtype(np.array([-np.nan], np.float32), dt)
+        assert neg.view(np.uint16)[0] == 0x7FFF
+
+
+def test_dynamic_quant_keeps_the_sign_of_zero():
+    """An inf element makes inv = 0: the others normalise to -0.0/+0.0 and encode as 0x80/0x00."""
+    x = np.array([[np.inf, -1.0, 2.0, -3.0, 4.0, -0.5, 0.25, -7.0]], BF16)
+    q, s = oracle.rms_norm_dynamic_per_token_quant(x, np.ones(8, BF16), 1e-6)
+    codes = q.view(np.uint8)[0]
+    assert codes[0] == 0x7E  # NaN (inf * 0) -> +448
+    assert list(codes[1:]) == [0x80 if v < 0 else 0x00 for v in x[0, 1:].astype(np.float32)]

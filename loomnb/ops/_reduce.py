@@ -1,19 +1,42 @@
-"""Block-wide reductions shared by every kernel: a float64 sum and a NaN-dropping float32 max.
+"""Reductions shared by every kernel: over a group of lanes of a warp, and over a thread block.
 
-On the GPU: a butterfly of warp shuffles (``shfl_xor``) inside each warp, the warp totals through
-32 floats of shared memory, then a second butterfly, so every thread of the block returns the
-total. Under numba's CUDA simulator (no warp shuffles) the same contract is met through shared
-memory. Sums are float64, so their rounding to float32 does not depend on the order of additions
-(see ``ops._norm_kernels.inv_rms``); ``block_max`` takes non-negative values (0 pads).
+* ``group_reduce(combine, width)``: ``combine`` folded over each aligned group of ``width``
+  lanes (a power of two <= 32), the result in every lane of the group -- a 64- or 128-element
+  FP8 quant group held by 8 or 16 lanes, or a whole warp (``width = 32``). No shared memory and
+  no barrier, so it may be called in loops; every lane of the warp must call it.
+* ``block_reduce(combine, dtype)``: ``combine`` folded over the whole block, the result in every
+  thread. It takes a ``scratch`` shared array the caller declares as
+  ``cuda.shared.array(REDUCE_SCRATCH, dtype)``: one barrier, then each thread folds the warps'
+  partial results in warp order, so all threads hold bit-identical results. A scratch array
+  serves one reduction; before reusing it, the caller puts a ``cuda.syncthreads()``.
+* ``group_argmax(width)`` / ``block_argmax``: the (value, index) of the largest value, the lowest
+  index winning ties and NaN counting as the largest (``torch.argmax``).
 
-Block sizes must be multiples of 32, at most 1024.
+The combine functions below come with their identities (``IDENTITY``), used wherever a lane or
+warp holds no value (a sum pads with 0, a max with -inf, a min with +inf -- never 0 for a max of
+negative values). Block sizes must be multiples of 32 (full warps), at most 1024.
+
+On the GPU the lanes exchange values with warp shuffles (``shfl.sync.bfly``); numba's CUDA
+simulator has none, so there the same contracts are met through shared memory (the scratch
+array then holds one value per thread: ``REDUCE_SCRATCH`` is 1024 there, 32 on the GPU).
 """
 
-from numba import cuda, float32, float64
+from __future__ import annotations
+
+import functools
+import math
+
+from numba import cuda, float32, float64, int64
 
 from .._numba_internals import SIM, device
 
 FULL_MASK = 0xFFFFFFFF
+REDUCE_SCRATCH = 1024 if SIM else 32  # shared-memory values a block reduction needs
+
+
+@device
+def fadd(a, b):
+    return a + b
 
 
 @device
@@ -24,60 +47,150 @@ def fmax_nan(a, b):
     return a
 
 
-if SIM:
-    def _block_reduce(combine, dtype):
-        """Simulator path (no warp shuffles): every thread writes ``v`` to shared memory and
-        folds ``combine`` over the block's values in thread order."""
+@device
+def fmin_nan(a, b):
+    """``fminf``: the smaller of a and b, ignoring a NaN operand."""
+    if b < a or a != a:
+        return b
+    return a
 
+
+IDENTITY = {fadd: 0.0, fmax_nan: -math.inf, fmin_nan: math.inf}
+
+
+@device
+def argmax_combine(va, ia, vb, ib):
+    """(value, index) of the larger of two candidates: NaN is the largest, ties (and NaN vs
+    NaN) go to the lower index -- ``torch.argmax``'s rule."""
+    a_nan, b_nan = va != va, vb != vb
+    if a_nan or b_nan:
+        if a_nan and b_nan:
+            return (va, ia) if ia <= ib else (vb, ib)
+        return (va, ia) if a_nan else (vb, ib)
+    if vb > va or (vb == va and ib < ia):
+        return vb, ib
+    return va, ia
+
+
+if SIM:
+    @functools.cache
+    def group_reduce(combine, width):
         @cuda.jit(device=True)
-        def block_reduce(v):
-            sm = cuda.shared.array(1024, dtype)
-            sm[cuda.threadIdx.x] = v
+        def reduce(v):
+            sm = cuda.shared.array(1024, float64)
+            t = cuda.threadIdx.x
             cuda.syncthreads()
-            acc = sm[0]
-            for i in range(1, cuda.blockDim.x):
-                acc = combine(acc, sm[i])
+            sm[t] = v
             cuda.syncthreads()
+            base = t & ~(width - 1)
+            acc = sm[base]
+            for k in range(1, width):
+                acc = combine(acc, sm[base + k])
+            cuda.syncthreads()
+            return type(v)(acc)
+
+        return reduce
+
+    @functools.cache
+    def block_reduce(combine, dtype):
+        @cuda.jit(device=True)
+        def reduce(v, scratch):
+            scratch[cuda.threadIdx.x] = v
+            cuda.syncthreads()
+            acc = scratch[0]
+            for k in range(1, cuda.blockDim.x):
+                acc = combine(acc, scratch[k])
             return dtype(acc)
 
-        return block_reduce
+        return reduce
 
-    def _add(a, b):
-        return a + b
+    @functools.cache
+    def group_argmax(width):
+        @cuda.jit(device=True)
+        def reduce(v, i):
+            sv = cuda.shared.array(1024, float32)
+            si = cuda.shared.array(1024, int64)
+            t = cuda.threadIdx.x
+            cuda.syncthreads()
+            sv[t], si[t] = v, i
+            cuda.syncthreads()
+            base = t & ~(width - 1)
+            bv, bi = sv[base], si[base]
+            for k in range(1, width):
+                bv, bi = argmax_combine(bv, bi, sv[base + k], si[base + k])
+            cuda.syncthreads()
+            return bv, bi
 
-    block_sum64 = _block_reduce(_add, float64)  # float64 sum of ``v`` over the block
-    block_max = _block_reduce(fmax_nan, float32)  # ``fmaxf`` of ``v`` over the block
+        return reduce
+
+    @cuda.jit(device=True)
+    def block_argmax(v, i, scratch_v, scratch_i):
+        t = cuda.threadIdx.x
+        scratch_v[t], scratch_i[t] = v, i
+        cuda.syncthreads()
+        bv, bi = scratch_v[0], scratch_i[0]
+        for k in range(1, cuda.blockDim.x):
+            bv, bi = argmax_combine(bv, bi, scratch_v[k], scratch_i[k])
+        return bv, bi
 else:
-    def _block_reduce(combine, dtype):
-        """A device function returning ``combine`` folded over the block's ``v`` to every
-        thread: a shuffle butterfly in each warp, the warp results through 32 ``dtype`` of
-        shared memory (``dtype(0)`` pads past the last warp), and a second butterfly."""
+    @functools.cache
+    def group_reduce(combine, width):
+        offsets = tuple(1 << k for k in reversed(range(int(math.log2(width)))))
 
         @cuda.jit(device=True)
-        def warp_reduce(v):
-            for off in (16, 8, 4, 2, 1):
+        def reduce(v):
+            for off in offsets:
                 v = combine(v, cuda.shfl_xor_sync(FULL_MASK, v, off))
             return v
 
-        @cuda.jit(device=True)
-        def block_reduce(v):
-            sm = cuda.shared.array(32, dtype)
-            lane = cuda.threadIdx.x & 31
-            warp = cuda.threadIdx.x >> 5
-            v = warp_reduce(v)
-            if lane == 0:
-                sm[warp] = v
-            cuda.syncthreads()
-            v = sm[lane] if lane < (cuda.blockDim.x >> 5) else dtype(0)
-            v = warp_reduce(v)
-            cuda.syncthreads()  # sm may be reused by the next reduction
-            return v
+        return reduce
 
-        return block_reduce
+    @functools.cache
+    def block_reduce(combine, dtype):
+        warp_reduce = group_reduce(combine, 32)
+
+        @cuda.jit(device=True)
+        def reduce(v, scratch):
+            v = warp_reduce(v)
+            if (cuda.threadIdx.x & 31) == 0:
+                scratch[cuda.threadIdx.x >> 5] = v
+            cuda.syncthreads()
+            acc = scratch[0]
+            for k in range(1, cuda.blockDim.x >> 5):
+                acc = combine(acc, scratch[k])
+            return dtype(acc)
+
+        return reduce
+
+    @functools.cache
+    def group_argmax(width):
+        offsets = tuple(1 << k for k in reversed(range(int(math.log2(width)))))
+
+        @cuda.jit(device=True)
+        def reduce(v, i):
+            for off in offsets:
+                v, i = argmax_combine(v, i, cuda.shfl_xor_sync(FULL_MASK, v, off),
+                                      cuda.shfl_xor_sync(FULL_MASK, i, off))
+            return v, i
+
+        return reduce
+
+    _warp_argmax = group_argmax(32)
 
     @cuda.jit(device=True)
-    def _add(a, b):
-        return a + b
+    def block_argmax(v, i, scratch_v, scratch_i):
+        v, i = _warp_argmax(v, i)
+        if (cuda.threadIdx.x & 31) == 0:
+            scratch_v[cuda.threadIdx.x >> 5] = v
+            scratch_i[cuda.threadIdx.x >> 5] = i
+        cuda.syncthreads()
+        bv, bi = scratch_v[0], scratch_i[0]
+        for k in range(1, cuda.blockDim.x >> 5):
+            bv, bi = argmax_combine(bv, bi, scratch_v[k], scratch_i[k])
+        return bv, bi
 
-    block_sum64 = _block_reduce(_add, float64)  # float64 sum of ``v`` over the block
-    block_max = _block_reduce(fmax_nan, float32)  # ``fmaxf`` of ``v`` over the block (v >= 0)
+
+block_sum64 = block_reduce(fadd, float64)   # float64 sum over the block
+block_sum = block_reduce(fadd, float32)     # float32 sum over the block
+block_max = block_reduce(fmax_nan, float32)  # fmaxf over the block (NaN ignored)
+block_min = block_reduce(fmin_nan, float32)  # fminf over the block (NaN ignored)

@@ -10,6 +10,8 @@ import ml_dtypes
 import numpy as np
 
 FP8_MAX = np.float32(448.0)
+FP8_MIN_SCALE = np.float32(1.0) / np.float32(448.0 * 512.0)  # vLLM's min_scaling_factor<fp8>
+UE8M0_FLOOR = np.float32(1e-10)  # the log2 argument floor of UE8M0 scales
 
 
 def e4m3_encode(x):
@@ -24,9 +26,33 @@ def e4m3_encode(x):
 
 
 def clamp_fp8(v):
-    """``fmaxf(-448, fminf(v, 448))`` in float32: NaN -> +448 (vLLM's quant kernels)."""
+    """``fmaxf(-448, fminf(v, 448))`` in float32: NaN -> +448 (vLLM's per-tensor and per-token
+    quant kernels)."""
     v = np.asarray(v, dtype=np.float32)
     return np.where(np.isnan(v), FP8_MAX, np.clip(v, -FP8_MAX, FP8_MAX)).astype(np.float32)
+
+
+def clamp_fp8_nan_low(v):
+    """``fminf(fmaxf(v, -448), 448)``: NaN -> -448 (vLLM's per-token-group quant)."""
+    v = np.asarray(v, dtype=np.float32)
+    return np.where(np.isnan(v), -FP8_MAX, np.clip(v, -FP8_MAX, FP8_MAX)).astype(np.float32)
+
+
+def scale_from_amax(amax, scale_ub=None):
+    """Per-token scale ``max(min(amax, ub) / 448, 1 / (448 * 512))`` in float32."""
+    amax = np.asarray(amax, dtype=np.float32)
+    if scale_ub is not None:
+        amax = np.minimum(amax, np.float32(np.asarray(scale_ub, dtype=np.float32).reshape(-1)[0]))
+    return np.maximum(amax / FP8_MAX, FP8_MIN_SCALE).astype(np.float32)
+
+
+def ue8m0(s):
+    """``exp2f(ceilf(log2f(max(s, 1e-10))))``: log2 correctly rounded to float32 before the
+    ceiling (so a scale just above a power of two can round down to it), never "the next power
+    of two from the exponent bits"."""
+    s = np.maximum(np.asarray(s, dtype=np.float32), UE8M0_FLOOR)
+    lg = np.log2(s.astype(np.float64)).astype(np.float32)
+    return np.exp2(np.ceil(lg)).astype(np.float32)
 
 
 def e4m3_decode(codes):

@@ -1,0 +1,159 @@
+"""Contracts every family's ops share: wrapping, output allocation, aliasing, scales, and the
+row view of ``[..., n]`` arrays. Each raises a ``LoomnbError`` naming the argument, what was
+expected and what came, before any launch (the primitive checks are in ``loomnb.checks``).
+
+An op reads: validate every argument with these, allocate what the caller did not pass
+(:func:`output`), then one launch.
+"""
+
+from __future__ import annotations
+
+from .. import _adapter as ad
+from ..checks import (check_kind, check_same_device, check_shape, check_writable,
+                      fail_type, fail_value)
+
+wrap = ad.wrap
+VECTOR_BYTES = 16  # one vector load or store
+
+
+def choice(op, name, value, allowed):
+    """``value`` must be one of ``allowed`` (strings such as rounding modes)."""
+    if not isinstance(value, str) or value not in allowed:
+        fail_value(op, name, "one of " + ", ".join(repr(a) for a in allowed), repr(value))
+    return value
+
+
+def real(op, name, value, *, low=None, finite=True):
+    """A real Python/NumPy number (not a bool), optionally ``>= low`` and finite."""
+    import numbers
+    if isinstance(value, (bool, str, bytes)) or not isinstance(value, numbers.Real):
+        fail_type(op, name, "a real number", repr(value))
+    v = float(value)
+    if v != v or (finite and v in (float("inf"), float("-inf"))) or (low is not None and not v >= low):
+        fail_value(op, name, ("finite" if finite else "a number") + (f" and >= {low}" if low is not None else ""),
+                   repr(value))
+    return v
+
+
+def output(op, name, obj, *, like, kind, shape, like_name="x"):
+    """The output ``name``: checked when the caller passed it, else allocated in ``like``'s
+    library and device (and marked so the fast path allocates it again on a replay)."""
+    if obj is None:
+        new = ad.empty(like, tuple(shape), kind)
+        a = ad.wrap(op, name, new)
+        a.alloc = ad.torch_allocator(like, tuple(shape), kind)
+        return a
+    a = ad.wrap(op, name, obj)
+    check_kind(op, name, a, (kind,) if isinstance(kind, str) else kind)
+    check_shape(op, name, a, shape, f"from '{like_name}'")
+    check_same_device(op, name, a, like_name, like)
+    writable(op, {name: a})
+    return a
+
+
+def same_place(a, b):
+    """Exactly in place: the same bytes element for element (same address, element size and
+    byte strides). An FP8 view of a bf16 buffer at the same address is *not* in place."""
+    return (a.ptr == b.ptr and a.itemsize == b.itemsize and a.shape == b.shape
+            and all(s * a.itemsize == t * b.itemsize for s, t in zip(a.strides, b.strides)))
+
+
+def no_overlap(op, writes, reads, in_place=()):
+    """No array the op writes may overlap another argument, except a (write, read) pair named
+    in ``in_place`` that is exactly the same memory (:func:`same_place`). ``writes``/``reads``
+    map names to :class:`~loomnb._adapter.Arr` (None entries are skipped)."""
+    items = [(n, a, True) for n, a in writes.items() if a is not None]
+    items += [(n, a, False) for n, a in reads.items() if a is not None]
+    for i, (n1, a1, w1) in enumerate(items):
+        for n2, a2, w2 in items[i + 1:]:
+            if not (w1 or w2) or not a1.overlaps(a2):
+                continue
+            if ((n1, n2) in in_place or (n2, n1) in in_place) and same_place(a1, a2):
+                continue
+            fail_value(op, n1 if w1 else n2, f"a buffer that does not overlap '{n2 if w1 else n1}'",
+                       "overlapping memory" + (" (same address, different element size or strides)"
+                                               if a1.ptr == a2.ptr else ""))
+
+
+def one_element(op, name, obj, like, kind="f32", like_name="x"):
+    """A device scalar such as a static FP8 scale: one element of ``kind``, shape ``[]`` or
+    ``[1]`` (or any shape of one element), on ``like``'s device."""
+    s = ad.wrap(op, name, obj)
+    check_kind(op, name, s, (kind,))
+    if s.size != 1:
+        fail_value(op, name, f"a {s.dtype_name if s.kind else kind} array of one element (shape [] or [1])",
+                   f"shape {list(s.shape)}")
+    check_same_device(op, name, s, like_name, like)
+    return s.view((1,), (1,))
+
+
+def rows(op, named):
+    """The row view of arrays of equal shape ``[..., n]`` (last dimension contiguous): their
+    leading dimensions, merged where every array allows it, as one or two dimensions ``lead``.
+
+    Returns ``(lead, views)``, each view an ``Arr`` of shape ``lead + (n,)``. Any leading
+    strides work -- per-head views ``[num_tokens, num_heads, head_size]`` cut out of a wider
+    buffer, a size-1 dimension with an arbitrary stride -- as long as they merge into at most
+    two strided dimensions (else an error names the shape and strides).
+    """
+    shape = named[0][1].shape
+    for name, a in named:
+        if a.ndim < 1:
+            fail_value(op, name, "an array of shape [..., n]", "a 0-D array")
+        if a.shape[-1] > 1 and a.strides[-1] != 1 and 0 not in a.shape:
+            fail_value(op, name, "contiguous in its last dimension (stride 1)",
+                       f"strides {a.strides} (in elements)")
+    lead = [(d, [a.strides[i] for _, a in named]) for i, d in enumerate(shape[:-1]) if d != 1]
+    if any(d == 0 for d, _ in lead):
+        lead = [(0, [0] * len(named))]
+    merged, culprit = [], None
+    for d, st in lead:
+        if merged and all(ps == s * d for ps, s in zip(merged[-1][1], st)):
+            merged[-1] = (merged[-1][0] * d, st)
+        else:
+            if merged and culprit is None:  # the first array that keeps this boundary
+                culprit = next(j for j, (ps, s) in enumerate(zip(merged[-1][1], st)) if ps != s * d)
+            merged.append((d, st))
+    if len(merged) > 2:
+        name, a = named[culprit]
+        fail_value(op, name, "leading dimensions that merge into at most two strided "
+                   "dimensions", f"shape {tuple(a.shape)} with strides {tuple(a.strides)}")
+    if not merged:
+        merged = [(1, [0] * len(named))]
+    sizes = tuple(d for d, _ in merged)
+    views = [a.view(sizes + (shape[-1],), tuple(st[j] for _, st in merged) + (1,))
+             for j, (_, a) in enumerate(named)]
+    return sizes, views
+
+
+def vectors_ok(*arrs, unit=VECTOR_BYTES):
+    """Whether every row of every array (row views from :func:`rows`) starts on a ``unit``-byte
+    boundary and holds whole units, so kernels may move ``unit`` bytes per load and store.
+    Sizes and strides of dimensions of size 1 do not matter."""
+    for a in arrs:
+        if a is None:
+            continue
+        isz = a.itemsize
+        if a.ptr % unit or (a.shape[-1] * isz) % unit:
+            return False
+        if any(d > 1 and (s * isz) % unit for d, s in zip(a.shape[:-1], a.strides[:-1])):
+            return False
+    return True
+
+
+def writable(op, named):
+    """Every array the op writes or mutates is writable, and no two of its elements share
+    memory (a broadcast or overlapping-rows view would race) -- checked before any launch."""
+    for name, a in named.items():
+        if a is None:
+            continue
+        check_writable(op, name, a)
+        if a.size == 0:
+            continue
+        dims = sorted((abs(s), n) for n, s in zip(a.shape, a.strides) if n > 1)
+        reach = 0  # elements spanned by the faster-varying dimensions
+        for s, n in dims:
+            if s <= reach:
+                fail_value(op, name, "an array whose elements do not overlap each other",
+                           f"shape {a.shape} with strides {a.strides} (in elements)")
+            reach += (n - 1) * s

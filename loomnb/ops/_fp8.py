@@ -1,0 +1,87 @@
+"""FP8 E4M3 device helpers every quantising kernel shares: the constants (defined once here and
+in ``loomnb.oracle.fp8``), the clamps, correctly rounded division, scales from an amax, UE8M0.
+
+Conventions (vLLM's): stored = real / scale; ``e4m3`` rounds to nearest even and saturates to
++-448; the sign of zero is kept (-0.0 and negative values that round to zero encode as 0x80).
+NaN becomes +448 where vLLM clamps with ``fminf`` first (``clamp_fp8``: per-tensor and per-token
+quant) and -448 where it clamps with ``fmaxf`` first (``clamp_fp8_nan_low``: group quant).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32
+
+from .._numba_internals import SIM, device
+from ..oracle.fp8 import FP8_MAX, FP8_MIN_SCALE, UE8M0_FLOOR  # noqa: F401 (re-exported)
+from ._reduce import fmax_nan
+
+_MAX = float(FP8_MAX)
+_MIN_SCALE = float(FP8_MIN_SCALE)
+_UE8M0_FLOOR = float(UE8M0_FLOOR)
+
+if SIM:
+    @device
+    def clamp_fp8(v):
+        """``fminf(v, 448)``: see the GPU twin."""
+        return np.fmin(np.float32(v), np.float32(_MAX))
+
+    @device
+    def clamp_fp8_nan_low(v):
+        """``fminf(fmaxf(v, -448), 448)``: NaN -> -448."""
+        return np.fmin(np.fmax(np.float32(v), np.float32(-_MAX)), np.float32(_MAX))
+
+    @device
+    def div_rn(a, b, rb):
+        """``a / b`` rounded to nearest (IEEE float32 division)."""
+        return np.float32(a) / np.float32(b)
+
+    @device
+    def ue8m0(s):
+        """``exp2f(ceilf(log2f(max(s, 1e-10))))``: log2 rounded to float32 first, as log2f."""
+        v = np.float32(s) if s > np.float32(_UE8M0_FLOOR) else np.float32(_UE8M0_FLOOR)
+        return np.float32(2.0 ** math.ceil(np.float32(math.log2(v))))
+else:
+    from numba.cuda import libdevice
+
+    @device
+    def clamp_fp8(v):
+        """vLLM's ``fmaxf(-448, fminf(v, 448))`` before the E4M3 encode, in one instruction:
+        ``fminf`` turns a NaN into +448 and caps the top; the saturating encoder
+        (``cvt.rn.satfinite``) already maps everything below -448 to -448."""
+        return libdevice.fminf(v, float32(_MAX))
+
+    @device
+    def clamp_fp8_nan_low(v):
+        """``fminf(fmaxf(v, -448), 448)``: NaN -> -448 (vLLM's group quant clamps max first)."""
+        return libdevice.fminf(libdevice.fmaxf(v, float32(-_MAX)), float32(_MAX))
+
+    @device
+    def div_rn(a, b, rb):
+        """``a / b`` correctly rounded, from ``rb = RN(1/b)`` (computed once per row or group):
+        one correction step with exact FMA remainders (Markstein's theorem), which avoids a full
+        ``div.rn.f32`` per element. When the remainder is zero the quotient ``q`` is exact and
+        is returned as is: the correction ``fma(+0, rb, -0)`` would turn -0.0 into +0.0.
+        ``tests/test_fp8_gpu.py`` checks it against IEEE division, signed zeros included."""
+        q = a * rb
+        r = cuda.fma(-q, b, a)
+        if r == float32(0):
+            return q
+        return cuda.fma(r, rb, q)
+
+    @device
+    def ue8m0(s):
+        """``exp2f(ceilf(log2f(max(s, 1e-10))))`` with libdevice's ``log2f`` (vLLM's
+        ``per_token_group_quant.cu``): a scale just above a power of two may round down to it."""
+        v = libdevice.fmaxf(s, float32(_UE8M0_FLOOR))
+        return libdevice.exp2f(libdevice.ceilf(libdevice.log2f(v)))
+
+
+@device
+def scale_from_amax(amax, ub, has_ub):
+    """Per-token scale: ``max(min(amax, ub) / 448, 1 / (448 * 512))`` (``ub`` clips the amax)."""
+    if has_ub:
+        amax = amax if amax < ub else ub  # fminf for a non-NaN ub
+    return fmax_nan(amax / float32(_MAX), float32(_MIN_SCALE))

@@ -1,0 +1,124 @@
+"""The shared reductions (``loomnb.ops._reduce``) against NumPy: block sum/max/min/argmax and
+group (sub-warp) reductions, on all-negative values (a max that pads with 0 would be wrong),
+NaNs, ties, and block sizes of one warp to 32 warps.
+
+The same kernels run in the simulator pass (shared-memory twins) and on the GPU (warp
+shuffles): the GPU path is what the simulator cannot check.
+"""
+
+import numpy as np
+import pytest
+from numba import cuda, float32, float64, int64
+
+from conftest import HAS_GPU, SIM
+from loomnb.ops._reduce import (REDUCE_SCRATCH, block_argmax, block_max, block_min, block_sum64,
+                                fadd, fmax_nan, group_argmax, group_reduce)
+
+
+@cuda.jit
+def _block_kernel(vals, out):
+    t = cuda.threadIdx.x
+    b = cuda.blockIdx.x
+    s64 = cuda.shared.array(REDUCE_SCRATCH, float64)
+    smax = cuda.shared.array(REDUCE_SCRATCH, float32)
+    smin = cuda.shared.array(REDUCE_SCRATCH, float32)
+    sav = cuda.shared.array(REDUCE_SCRATCH, float32)
+    sai = cuda.shared.array(REDUCE_SCRATCH, int64)
+    v = vals[b, t]
+    s = block_sum64(float64(v), s64)
+    mx = block_max(v, smax)
+    mn = block_min(v, smin)
+    av, ai = block_argmax(v, int64(t), sav, sai)
+    out[b, t, 0] = s
+    out[b, t, 1] = mx
+    out[b, t, 2] = mn
+    out[b, t, 3] = av
+    out[b, t, 4] = ai
+
+
+def _make_group_kernel(width):
+    gsum = group_reduce(fadd, width)
+    gmax = group_reduce(fmax_nan, width)
+    garg = group_argmax(width)
+
+    @cuda.jit
+    def k(vals, out):
+        t = cuda.threadIdx.x
+        v = vals[0, t]
+        for rep in range(2):  # called twice in a row: group reductions need no barrier
+            out[t, 0] = gsum(v)
+            out[t, 1] = gmax(v)
+            av, ai = garg(v, int64(t))
+            out[t, 2] = av
+            out[t, 3] = ai
+    return k
+
+
+def _values(rng, blocks, threads):
+    v = -(rng.random((blocks, threads)) * 100 + 1).astype(np.float32)  # all negative
+    v[0, threads // 3] = v[0, 5]  # a tie
+    if blocks > 1:
+        v[1, threads - 2] = np.nan
+    return v
+
+
+def _to(a):
+    return a if SIM else cuda.to_device(a)
+
+
+def _back(a):
+    return a if SIM else a.copy_to_host()
+
+
+def _check_block(threads):
+    rng = np.random.default_rng(threads)
+    v = _values(rng, 3, threads)
+    out = _to(np.zeros((3, threads, 5), np.float64))
+    _block_kernel[3, threads](_to(v), out)
+    o = _back(out)
+    for b in range(3):
+        row = v[b]
+        assert np.array_equal(o[b, :, 0], np.full(threads, o[b, 0, 0]), equal_nan=True), "every thread holds the same sum"
+        np.testing.assert_allclose(o[b, 0, 0], row.astype(np.float64).sum(), rtol=1e-12)  # NaN == NaN here
+        assert o[b, 0, 1] == np.nanmax(row) and o[b, 0, 2] == np.nanmin(row), "NaN ignored, no 0 padding"
+        want_i = int(np.argmax(np.where(np.isnan(row), np.inf, row)))  # NaN is the largest, first wins
+        assert o[b, 0, 4] == want_i and (np.isnan(o[b, 0, 3]) if np.isnan(row).any() else o[b, 0, 3] == row[want_i])
+
+
+def _check_group(width):
+    rng = np.random.default_rng(width)
+    v = _values(rng, 1, 64)
+    v[0, 3] = v[0, 1]  # a tie inside group 0
+    out = _to(np.zeros((64, 4), np.float64))
+    _make_group_kernel(width)[1, 64](_to(v), out)
+    o = _back(out)
+    for g in range(64 // width):
+        seg = v[0, g * width:(g + 1) * width].astype(np.float64)
+        lanes = o[g * width:(g + 1) * width]
+        np.testing.assert_allclose(lanes[:, 0], seg.sum(), rtol=1e-6)
+        assert np.all(lanes[:, 1] == np.max(seg))
+        assert np.all(lanes[:, 3] == g * width + int(np.argmax(seg)))
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("threads", [32, 96])
+def test_block_reductions_sim(threads):
+    _check_block(threads)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("width", [8, 32])
+def test_group_reductions_sim(width):
+    _check_group(width)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("threads", [32, 96, 256, 1024])
+def test_block_reductions_gpu(threads):
+    _check_block(threads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [4, 8, 16, 32])
+def test_group_reductions_gpu(width):
+    _check_group(width)
