@@ -12,8 +12,9 @@ Two implementations of every conversion:
   NaN becomes the CUDA canonical NaN (bf16/fp16 ``0x7FFF``, E4M3 ``0x7F``); E4M3 saturates to
   +-448 (``__NV_SATFINITE``), never producing NaN from a finite input.
 * **hardware** (GPU only): Hopper's ``cvt`` instructions through
-  :mod:`loomnb._numba_internals`. ``tests/test_layouts_gpu.py`` proves them bit-identical to the
-  portable functions over all inputs that matter, and the kernels use them on the GPU.
+  :mod:`loomnb._numba_internals`. ``tests/test_norm_gpu.py`` and ``tests/test_fp8_gpu.py`` prove
+  them bit-identical to the portable functions over all inputs that matter, and the kernels use
+  them on the GPU.
 
 Decoding (``*_to_f32``) is exact in both. Matches: CUDA's ``__float2bfloat16_rn``,
 ``__float2half_rn``, ``__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)``; on the CPU the
