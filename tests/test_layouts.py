@@ -1,7 +1,7 @@
 """bf16 / fp16 / FP8 E4M3 packing: the portable device functions against ml_dtypes, exhaustively.
 
 Runs in the simulator pass, where the device functions are plain Python over NumPy scalars;
-``test_layouts_gpu.py`` runs the same functions compiled on the GPU and proves Hopper's
+``test_norm_gpu.py`` (``test_hardware_conversions_equal_the_portable_ones``) runs the same functions compiled on the GPU and proves Hopper's
 hardware conversions bit-identical to them.
 """
 
