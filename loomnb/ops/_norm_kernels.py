@@ -232,14 +232,19 @@ def _cached(spec):
                 vals[k] += wv[k]
                 if ADD:
                     vals[k] = rnd(vals[k])
-        ss = float64(0)
+        # four independent float64 accumulators: a dependent chain of 8*vpt additions was a
+        # measurable part of the small-batch latency (the order does not change the float32 inv)
+        acc = cuda.local.array(4, float64)
+        for k in range(4):
+            acc[k] = float64(0)
         for j in range(VPT):
             u = tid + j * nt
             if u < nv:
                 for k in range(8):
-                    ss += float64(vals[8 * j + k]) * float64(vals[8 * j + k])
+                    acc[k & 3] += float64(vals[8 * j + k]) * float64(vals[8 * j + k])
                 if RES:
                     store8(rr, u, vals, j)  # r(x + residual)
+        ss = (acc[0] + acc[1]) + (acc[2] + acc[3])
         inv = inv_rms(block_sum64(ss, sm64), H, eps)
         decode(wv, ww)
         amax = float32(0)

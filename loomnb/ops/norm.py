@@ -33,19 +33,20 @@ from ._torch_ops import torch_op
 __all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_static_fp8_quant",
            "fused_add_rms_norm_static_fp8_quant", "rms_norm_dynamic_per_token_quant"]
 
-SMALL_BATCH = 256  # about two rows per SM on an H200 (132 SMs): latency-bound
 
 
 def launch_config(hidden_size, cached, threads=None, num_rows=None):
     """(threads per block, 16-byte units a thread holds) for one row of ``hidden_size``.
 
-    Cached rows: large batches hold about 4 units of 16 bytes a thread (all in flight at once),
-    fewer for short rows -- at 16384 x 4096 bf16 that (128 threads) beat 64/256/512/1024 by
-    3-40% on the H200. Small batches (``num_rows <= SMALL_BATCH``) are latency-bound: one unit
-    a thread where the row allows (512 threads at 4096). At least 32 and at most 1024 threads;
-    vpt 0 means the row is too long to cache (more than 8 units x 1024 threads) and goes to the
-    scalar layout. Scalar rows take min(hidden_size, 1024) threads, rounded up to a warp, like
-    vLLM. Measurements: ``benchmarks/results/launch_config_sweep_*.log``.
+    Cached rows hold about 4 units of 16 bytes a thread (all loads in flight at once), fewer
+    for short rows, at every batch size: at 16384 x 4096 bf16 that (128 threads) beat
+    64/256/512/1024 threads by 3-40% on the H200, and at 1-256 rows 128 x 4 and 256 x 2 were
+    equally fast while 512 x 1 was 0.75 us slower (a block reduction over 16 warps;
+    ``benchmarks/results/probe_norm_latency_20261130-191225.json``). At least 32 and at most
+    1024 threads; vpt 0 means the row is too long to cache (more than 8 units x 1024 threads)
+    and goes to the scalar layout. Scalar rows take min(hidden_size, 1024) threads, rounded up
+    to a warp, like vLLM. ``num_rows`` is accepted for callers that size by batch; it does not
+    change the choice.
     """
     ceil32 = lambda n: max(32, -(-n // 32) * 32)  # noqa: E731
     if not cached:
@@ -54,8 +55,7 @@ def launch_config(hidden_size, cached, threads=None, num_rows=None):
     if threads:
         vpt = -(-nv // threads)
         return threads, next((v for v in CACHED_VPT if v >= vpt), 0)
-    small = num_rows is not None and num_rows <= SMALL_BATCH
-    for vpt in (CACHED_VPT if small or nv < 64 else (4, 8) if nv >= 256 else (2, 4, 8)):
+    for vpt in ((4, 8) if nv >= 256 else (2, 4, 8)):
         t = ceil32(-(-nv // vpt))
         if t <= 1024:
             return t, vpt
