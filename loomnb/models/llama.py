@@ -146,8 +146,10 @@ class LlamaModel:
         return cls(ckpt.config, hf_weights(ckpt, unpermute=unpermute),
                    GGUFTokenizer(ckpt.metadata), device, dtype, is_neox_style)
 
-    def forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens, kv_cache, ops):
-        """Hidden states ``[num_tokens, hidden_size]`` after the final norm."""
+    def forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens, kv_cache, ops,
+                on_layer=None):
+        """Hidden states ``[num_tokens, hidden_size]`` after the final norm. ``on_layer(n)``, if
+        given, is called after layer ``n`` (1-based) has been issued (progress reporting)."""
         cfg = self.config
         eps = cfg.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed_tokens)
@@ -172,6 +174,8 @@ class LlamaModel:
             hidden, residual = ops.fused_add_rms_norm(hidden, residual,
                                                       layer.post_attention_layernorm, eps)
             hidden = F.linear(silu_and_mul(F.linear(hidden, layer.gate_up_proj)), layer.down_proj)
+            if on_layer is not None:
+                on_layer(i + 1)
         hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, eps)
         return hidden
 
@@ -189,16 +193,19 @@ class LlamaModel:
         return self.compute_logits(runner.prefill(token_ids)).float()
 
     def generate(self, prompts, max_new_tokens=32, backend=None, chat=False,
-                 num_top_logits=0, forced_token_ids=None) -> GenerationResult:
+                 num_top_logits=0, forced_token_ids=None, progress=None) -> GenerationResult:
         """Greedy-decode ``max_new_tokens`` tokens for each prompt (a str or a list of str);
-        see :meth:`ModelRunner.generate` for the last two arguments."""
+        see :meth:`ModelRunner.generate` for the last three arguments. ``chat``: wrap each
+        prompt in the chat template, where only the template adds control tokens
+        (``GGUFTokenizer.encode_chat``); otherwise the prompt is encoded verbatim, control-token
+        text included."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         tok = self.tokenizer
-        texts_in = [tok.apply_chat_template(p) for p in prompts] if chat else prompts
-        prompt_ids = [tok.encode(p) for p in texts_in]
+        prompt_ids = [tok.encode_chat(p) if chat else tok.encode(p) for p in prompts]
         num_blocks = sum(cdiv(len(p) + max_new_tokens, BLOCK_SIZE) for p in prompt_ids)
         runner = self.new_runner(backend, num_blocks=num_blocks)
-        result = runner.generate(prompt_ids, max_new_tokens, num_top_logits, forced_token_ids)
+        result = runner.generate(prompt_ids, max_new_tokens, num_top_logits, forced_token_ids,
+                                 progress)
         result.prompts = prompts
         result.texts = [tok.decode(_cut_at_stop(ids, tok.stop_token_ids))
                         for ids in result.token_ids]
@@ -271,6 +278,11 @@ def _cut_at_stop(ids, stop_ids):
     return ids
 
 
+def _prefill_progress(progress, done_before: int, total: int):
+    """``on_layer`` for one prompt's prefill: reports ``("prefill", done_before + n, total)``."""
+    return lambda n: progress("prefill", done_before + n, total)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -285,9 +297,11 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(cfg.num_hidden_layers, num_blocks, block_size,
                                      cfg.num_kv_heads, cfg.head_size, model.dtype, model.device)
 
-    def prefill(self, token_ids: list[int], block_table: torch.Tensor | None = None):
+    def prefill(self, token_ids: list[int], block_table: torch.Tensor | None = None,
+                on_layer=None):
         """Run one sequence's prompt; returns hidden states ``[num_tokens, hidden_size]``.
-        ``block_table`` is int32 ``[1, max_blocks]`` (default: allocate fresh blocks)."""
+        ``block_table`` is int32 ``[1, max_blocks]`` (default: allocate fresh blocks);
+        ``on_layer`` as :meth:`LlamaModel.forward`."""
         dev = self.model.device
         num_tokens = len(token_ids)
         if block_table is None:
@@ -299,7 +313,7 @@ class ModelRunner:
                                             self.block_size)
         seq_lens = torch.tensor([num_tokens], dtype=torch.int32, device=dev)
         return self.model.forward(input_ids, positions, slot_mapping, block_table, seq_lens,
-                                  self.kv_cache, self.ops)
+                                  self.kv_cache, self.ops, on_layer)
 
     def decode_logits(self, input_ids, positions, slot_mapping, block_tables, seq_lens):
         """Logits ``[num_seqs, vocab_size]`` (model dtype) of one decode step; see decode_step."""
@@ -317,11 +331,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def generate(self, prompt_token_ids: list[list[int]], max_new_tokens: int,
-                 num_top_logits: int = 0, forced_token_ids=None) -> GenerationResult:
+                 num_top_logits: int = 0, forced_token_ids=None, progress=None
+                 ) -> GenerationResult:
         """Prefill each prompt, then greedy-decode the batch. ``num_top_logits`` > 0: also
         record each step's top logits (to tell near-ties from real mismatches).
         ``forced_token_ids`` ``[num_seqs][max_new_tokens]``: teacher forcing, feed these
-        tokens instead of the greedy ones (``token_ids`` still holds the greedy choices)."""
+        tokens instead of the greedy ones (``token_ids`` still holds the greedy choices).
+        ``progress(stage, done, total)``, if given, is called as work is issued: ``("prefill",
+        done, num_seqs * num_hidden_layers)`` after each layer of each prompt, then ``("decode",
+        step, max_new_tokens - 1)`` after each decode step. It changes no result (on a GPU it
+        counts launches, which run ahead of the device)."""
         if max_new_tokens < 1 or any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("need max_new_tokens >= 1 and non-empty prompts")
         dev, bs = self.model.device, self.block_size
@@ -348,8 +367,11 @@ class ModelRunner:
             return greedy_sample(logits)
 
         first = []
+        num_layers = self.model.config.num_hidden_layers
         for i, ids in enumerate(prompt_token_ids):
-            hidden = self.prefill(ids, block_tables[i : i + 1])
+            on_layer = (None if progress is None else
+                        _prefill_progress(progress, i * num_layers, num_seqs * num_layers))
+            hidden = self.prefill(ids, block_tables[i : i + 1], on_layer)
             first.append(sample(self.model.compute_logits(hidden[-1:])))
         _sync(dev)
         t1 = time.perf_counter()
@@ -366,6 +388,8 @@ class ModelRunner:
             out.append(sample(self.decode_logits(input_ids, positions, slot_mapping,
                                                  block_tables, seq_lens)))
             positions = positions + 1
+            if progress is not None:
+                progress("decode", step, max_new_tokens - 1)
         _sync(dev)
         t2 = time.perf_counter()
         token_ids = torch.stack(out, dim=1).cpu().tolist()

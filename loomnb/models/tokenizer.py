@@ -7,6 +7,12 @@ e.g. ``<|im_start|>``) are special tokens that are never split.
 
 BOS: ``encode`` prepends ``bos_token_id`` only when the GGUF says ``tokenizer.ggml.add_bos_token``
 is true (SmolLM2: false, so plain prompts are encoded as is).
+
+Text versus control tokens: ``encode(text)`` turns control-token text written in ``text`` (say
+``<|im_start|>``) into the control token -- that is how a caller writes a template by hand.
+``encode_chat(prompt)`` does not: only the chat template's own markers become control tokens,
+and the user's prompt is encoded as the characters it contains (``encode(prompt,
+parse_special=False)``), so a prompt cannot close its turn or forge a system turn.
 """
 
 from __future__ import annotations
@@ -52,8 +58,15 @@ class GGUFTokenizer:
         stops = {self.eos_token_id, vocab.get("<|endoftext|>")}
         self.stop_token_ids = frozenset(i for i in stops if i is not None)
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True
+               ) -> list[int]:
+        """Token ids of ``text``. ``parse_special``: control-token text in ``text`` becomes the
+        control token (True) or is encoded as ordinary characters (False)."""
+        self._tok.encode_special_tokens = not parse_special
+        try:
+            ids = self._tok.encode(text, add_special_tokens=False).ids
+        finally:
+            self._tok.encode_special_tokens = False
         add_bos = self.add_bos_token if add_bos is None else add_bos
         if add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
@@ -64,16 +77,34 @@ class GGUFTokenizer:
 
     def apply_chat_template(self, prompt: str) -> str:
         """One user turn in the ChatML format of SmolLM2's template (default system prompt,
-        then the assistant generation prompt). Raises if the GGUF template is not ChatML."""
+        then the assistant generation prompt), as text. Raises ``ValueError`` if the GGUF
+        template is not ChatML. To tokenize it, use :meth:`encode_chat` (``encode`` of this text
+        would also turn control-token text inside ``prompt`` into control tokens)."""
+        return "".join(text for text, _ in self._chat_segments(prompt))
+
+    def encode_chat(self, prompt: str) -> list[int]:
+        """Token ids of :meth:`apply_chat_template` ``(prompt)`` where only the template's
+        markers are control tokens: text between them (the user's prompt included) is encoded
+        with ``parse_special=False``. For a prompt without control-token text this equals
+        ``encode(apply_chat_template(prompt))``."""
+        ids = []
+        for text, control in self._chat_segments(prompt):
+            ids += self.encode(text, add_bos=False, parse_special=control)
+        add_bos = self.add_bos_token and self.bos_token_id is not None
+        return [self.bos_token_id] + ids if add_bos else ids
+
+    def _chat_segments(self, prompt: str) -> list[tuple[str, bool]]:
+        """The template as ``(text, is_control_token)`` pieces; the text between two control
+        tokens is one piece, as the tokenizer splits it when it reads the whole string."""
         if not self.chat_template or "<|im_start|>" not in self.chat_template:
             raise ValueError("the GGUF has no ChatML chat template")
         system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
         if system not in self.chat_template:
             raise ValueError("unrecognised chat template; pass a plain prompt")
-        return (
-            f"<|im_start|>system\n{system}<|im_end|>\n"
-            f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
-        )
+        start, end = ("<|im_start|>", True), ("<|im_end|>", True)
+        return [start, (f"system\n{system}", False), end, ("\n", False),
+                start, (f"user\n{prompt}", False), end, ("\n", False),
+                start, ("assistant\n", False)]
 
 
 def _opt_int(value) -> int | None:
