@@ -110,3 +110,29 @@ def test_errors_are_value_and_type_errors():
 def test_eps_must_be_a_real_number(eps):
     x, w = _bf16(2, 16), _bf16(16, seed=1)
     rejects(lambda: loomnb.rms_norm(x, w, eps), LoomnbTypeError, "argument 'eps' must be a real number", x, w)
+
+
+def test_check_scale_is_an_opt_in_check():
+    """Unchecked scales behave as vLLM's (no error); ``check_scale=True`` rejects 0, negative,
+    NaN and inf before any launch (under the simulator: a host check; on a GPU with torch: an
+    asynchronous device-side assert, ``test_norm_gpu.py``)."""
+    x, w, r = _bf16(4, 16), _bf16(16, seed=1), _bf16(4, 16, seed=2)
+    for bad in (0.0, -1.0, np.nan, np.inf):
+        scale = np.array([bad], np.float32)
+        loomnb.rms_norm_static_fp8_quant(x, w, scale, EPS)  # as vLLM: no check
+        rejects(lambda: loomnb.rms_norm_static_fp8_quant(x, w, scale, EPS, check_scale=True),
+                LoomnbValueError, r"argument 'scale' must be finite and > 0 \(check_scale=True\)", x, w)
+        rejects(lambda: loomnb.fused_add_rms_norm_static_fp8_quant(x, r, w, scale, EPS, check_scale=True),
+                LoomnbValueError, "argument 'scale' must be finite and > 0", x, w, r)
+        rejects(lambda: loomnb.rms_norm_dynamic_per_token_quant(x, w, EPS, scale_ub=scale, check_scale=True),
+                LoomnbValueError, "argument 'scale_ub' must be finite and > 0", x, w)
+    loomnb.rms_norm_static_fp8_quant(x, w, np.array([0.5], np.float32), EPS, check_scale=True)
+
+
+def test_nan_scale_ub_is_ignored_like_fminf():
+    x, w = _bf16(3, 16), _bf16(16, seed=1)
+    q1, s1 = loomnb.rms_norm_dynamic_per_token_quant(x, w, EPS, scale_ub=np.array([np.nan], np.float32))
+    q2, s2 = loomnb.rms_norm_dynamic_per_token_quant(x, w, EPS)
+    qo, so = loomnb.oracle.rms_norm_dynamic_per_token_quant(x, w, EPS, scale_ub=np.array([np.nan], np.float32))
+    assert np.array_equal(s1, s2) and np.array_equal(s1, so)
+    assert np.array_equal(q1.view(np.uint8), q2.view(np.uint8))

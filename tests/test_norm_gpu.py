@@ -590,3 +590,19 @@ def test_row_strides_of_2_31_elements_and_more():
     assert torch.equal(rows(obuf), loomnb.rms_norm(xc, w, EPS))
     del buf, rbuf, obuf, x, r, out
     torch.cuda.empty_cache()
+
+
+def test_check_scale_asserts_on_the_device_without_a_sync():
+    """check_scale=True on torch tensors: a valid scale passes; an invalid one fires a
+    device-side assert at the next synchronisation (in a subprocess: it ends the context)."""
+    import subprocess
+    import sys
+    x, w = rand((4, 256), "bf16"), rand((256,), "bf16", seed=1)
+    good = torch.tensor([0.5], device="cuda")
+    a = loomnb.rms_norm_static_fp8_quant(x, w, good, EPS, check_scale=True)
+    assert torch.equal(a.view(torch.uint8), loomnb.rms_norm_static_fp8_quant(x, w, good, EPS).view(torch.uint8))
+    code = ("import torch, loomnb; x = torch.ones(4, 256, dtype=torch.bfloat16, device='cuda'); "
+            "loomnb.rms_norm_static_fp8_quant(x, x[0], torch.zeros(1, device='cuda'), 1e-6, check_scale=True); "
+            "torch.cuda.synchronize()")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "assert" in (run.stderr + run.stdout).lower(), run.stderr[-2000:]

@@ -87,6 +87,24 @@ def one_element(op, name, obj, like, kind="f32", like_name="x"):
     return s.view((1,), (1,))
 
 
+def assert_positive_finite(op, name, a):
+    """The opt-in ``check_scale=True``: every element of device scalar ``a`` must be finite and
+    > 0. torch tensors: ``torch._assert_async`` -- no host synchronisation, a failure surfaces
+    as a CUDA device-side assert at the next synchronisation (which ends the CUDA context:
+    a debugging aid, not control flow). NumPy (simulator): checked here, ``LoomnbValueError``.
+    Other device arrays: copied to the host and checked (that synchronises)."""
+    if a.lib == "torch":
+        t = a.obj
+        ad._torch._assert_async(ad._torch.logical_and(t > 0, ad._torch.isfinite(t)).all(),
+                                f"{op}: argument '{name}' must be finite and > 0")
+        return
+    import numpy as np
+    host = a.obj if a.lib == "numpy" else (a.obj.get() if a.lib == "cupy" else a.obj.copy_to_host())
+    vals = np.asarray(host, dtype=np.float32).reshape(-1)
+    if not (np.all(np.isfinite(vals)) and np.all(vals > 0)):
+        fail_value(op, name, "finite and > 0 (check_scale=True)", f"{vals.tolist()}")
+
+
 def rows(op, named):
     """The row view of arrays of equal shape ``[..., n]`` (last dimension contiguous): their
     leading dimensions, merged where every array allows it, as one or two dimensions ``lead``.

@@ -16,7 +16,7 @@ from numba import cuda, float32
 
 from .._numba_internals import SIM, device
 from ..oracle.fp8 import FP8_MAX, FP8_MIN_SCALE, UE8M0_FLOOR  # noqa: F401 (re-exported)
-from ._reduce import fmax_nan
+from ._reduce import fmax_nan, fmin_nan
 
 _MAX = float(FP8_MAX)
 _MIN_SCALE = float(FP8_MIN_SCALE)
@@ -81,7 +81,8 @@ else:
 
 @device
 def scale_from_amax(amax, ub, has_ub):
-    """Per-token scale: ``max(min(amax, ub) / 448, 1 / (448 * 512))`` (``ub`` clips the amax)."""
+    """Per-token scale: ``fmaxf(fminf(amax, ub) / 448, 1 / (448 * 512))`` (``ub`` clips the
+    amax; ``fminf`` ignores a NaN ``ub``, as vLLM's kernel)."""
     if has_ub:
-        amax = amax if amax < ub else ub  # fminf for a non-NaN ub
+        amax = fmin_nan(amax, ub)
     return fmax_nan(amax / float32(_MAX), float32(_MIN_SCALE))

@@ -231,8 +231,9 @@ def fused_add_rms_norm(x, residual, weight, eps, *, rounding="twice", stream=Non
     return x, residual
 
 
-@torch_op("Tensor x, Tensor weight, Tensor scale, float eps", outputs=("out",), fake=_fake_fp8)
-def rms_norm_static_fp8_quant(x, weight, scale, eps, *, out=None, stream=None):
+@torch_op("Tensor x, Tensor weight, Tensor scale, float eps, *, bool check_scale=False",
+          outputs=("out",), fake=_fake_fp8)
+def rms_norm_static_fp8_quant(x, weight, scale, eps, *, out=None, check_scale=False, stream=None):
     """RMSNorm then static FP8 E4M3 quantisation: ``out = e4m3(clamp(f(y) * (1/scale), +-448))``.
 
     ``y`` is :func:`rms_norm`'s result (rounded twice, to ``x``'s dtype); ``1/scale`` is computed
@@ -246,22 +247,29 @@ def rms_norm_static_fp8_quant(x, weight, scale, eps, *, out=None, stream=None):
         eps: absolute epsilon.
         out: optional ``[..., hidden_size]`` ``float8_e4m3fn`` or ``uint8`` (the E4M3 codes), last
             dimension contiguous; allocated (``float8_e4m3fn``) when None.
+        check_scale: opt-in check that ``scale`` is finite and > 0 without a host sync (torch:
+            a device-side assert, which ends the CUDA context when it fires; see
+            ``_contract.assert_positive_finite``). Off by default, as vLLM never checks.
         stream: as :func:`rms_norm`.
 
     Returns ``out``. Mutates ``out``. A NaN becomes +448 (``fminf``/``fmaxf`` clamp), like vLLM.
-    The scale is not checked (that needs a device read): 0 gives +-448 (and NaN for 0/0 -> +448),
-    a negative scale flips signs, inf gives zeros -- as vLLM. Raises as :func:`rms_norm`.
+    Unchecked scales behave as vLLM's: ``1/scale`` is +inf for 0 (so +-448, and 0*inf = NaN ->
+    +448 for zeros), a negative scale flips the signs, NaN gives +448 everywhere, +inf gives
+    zeros (signed). Raises as :func:`rms_norm`.
     Matches vLLM ``torch.ops._C.rms_norm_static_fp8_quant(out, input, weight, scale, epsilon)``.
     """
     if ad.is_compiling():
         return rms_norm_static_fp8_quant.traced(x=x, weight=weight, scale=scale, eps=eps, out=out,
-                                                stream=stream)
-    k = L.key("rms_norm_static_fp8_quant", (eps,), x, weight, scale, out) if stream is None else None
+                                                check_scale=check_scale, stream=stream)
+    k = (L.key("rms_norm_static_fp8_quant", (eps,), x, weight, scale, out)
+         if stream is None and check_scale is False else None)
     if k is not None and (hit := L.replay(k)) is not None:
         return out if out is not None else hit[0]
     op = "loomnb.rms_norm_static_fp8_quant"
     xa, wa, eps = _inputs(op, x, weight, eps)
     sa = C.one_element(op, "scale", scale, xa)
+    if check_scale:
+        C.assert_positive_finite(op, "scale", sa)
     oa = C.output(op, "out", out, like=xa, kind=("fp8", "u8") if out is not None else "fp8",
                   shape=xa.shape)
     C.no_overlap(op, {"out": oa}, {"x": xa, "weight": wa, "scale": sa})
@@ -269,27 +277,31 @@ def rms_norm_static_fp8_quant(x, weight, scale, eps, *, out=None, stream=None):
     return oa.obj
 
 
-@torch_op("Tensor x, Tensor(a!) residual, Tensor weight, Tensor scale, float eps",
-          outputs=("out",), returns=("out", "residual"), fake=_fake_fp8)
-def fused_add_rms_norm_static_fp8_quant(x, residual, weight, scale, eps, *, out=None, stream=None):
+@torch_op("Tensor x, Tensor(a!) residual, Tensor weight, Tensor scale, float eps, *, "
+          "bool check_scale=False", outputs=("out",), returns=("out", "residual"), fake=_fake_fp8)
+def fused_add_rms_norm_static_fp8_quant(x, residual, weight, scale, eps, *, out=None,
+                                        check_scale=False, stream=None):
     """Residual add, RMSNorm, static FP8: ``residual <- z = r(x + residual)``,
     ``out = e4m3(clamp(f(rms_norm(z)) * (1/scale)))``. ``x`` is **not** modified.
 
-    Shapes, dtypes, scale and errors as :func:`rms_norm_static_fp8_quant` and
+    Shapes, dtypes, scale, ``check_scale`` and errors as :func:`rms_norm_static_fp8_quant` and
     :func:`fused_add_rms_norm`. Returns ``(out, residual)``; mutates ``out`` and ``residual``.
     Matches vLLM ``torch.ops._C.fused_add_rms_norm_static_fp8_quant(out, input, residual,
     weight, scale, epsilon)``.
     """
     if ad.is_compiling():
         return fused_add_rms_norm_static_fp8_quant.traced(
-            x=x, residual=residual, weight=weight, scale=scale, eps=eps, out=out, stream=stream)
+            x=x, residual=residual, weight=weight, scale=scale, eps=eps, out=out,
+            check_scale=check_scale, stream=stream)
     k = (L.key("fused_add_rms_norm_static_fp8_quant", (eps,), x, residual, weight, scale, out)
-         if stream is None else None)
+         if stream is None and check_scale is False else None)
     if k is not None and (hit := L.replay(k)) is not None:
         return (out if out is not None else hit[0]), residual
     op = "loomnb.fused_add_rms_norm_static_fp8_quant"
     xa, wa, eps = _inputs(op, x, weight, eps)
     sa = C.one_element(op, "scale", scale, xa)
+    if check_scale:
+        C.assert_positive_finite(op, "scale", sa)
     ra = _residual(op, xa, residual)
     C.writable(op, {"residual": ra})
     oa = C.output(op, "out", out, like=xa, kind=("fp8", "u8") if out is not None else "fp8",
@@ -300,10 +312,10 @@ def fused_add_rms_norm_static_fp8_quant(x, residual, weight, scale, eps, *, out=
     return oa.obj, residual
 
 
-@torch_op("Tensor x, Tensor weight, float eps, Tensor? scale_ub=None, Tensor(a!)? residual=None",
-          outputs=("out", "scales"), fake=_fake_dynamic)
+@torch_op("Tensor x, Tensor weight, float eps, Tensor? scale_ub=None, Tensor(a!)? residual=None, "
+          "*, bool check_scale=False", outputs=("out", "scales"), fake=_fake_dynamic)
 def rms_norm_dynamic_per_token_quant(x, weight, eps, scale_ub=None, residual=None, *,
-                                     out=None, scales=None, stream=None):
+                                     out=None, scales=None, check_scale=False, stream=None):
     """RMSNorm with a dynamic per-token FP8 E4M3 scale.
 
     Per row: ``s = f(x)`` (``+ f(residual)``, kept in float32), ``inv = r32(1 / sqrt(mean(s^2)
@@ -317,8 +329,10 @@ def rms_norm_dynamic_per_token_quant(x, weight, eps, scale_ub=None, residual=Non
     Args:
         x: ``[..., hidden_size]`` bf16/fp16/fp32, rows as :func:`rms_norm`; not modified.
         weight: ``[hidden_size]`` like ``x``.  eps: absolute epsilon.
-        scale_ub: optional float32 one-element device array. Not checked (a device read):
-            ``scale_ub <= 0`` gives the floor scale 1/(448*512) for every row, as vLLM.
+        scale_ub: optional float32 one-element device array. Unchecked (as vLLM): ``scale_ub
+            <= 0`` gives the floor scale 1/(448*512) for every row; a NaN ``scale_ub`` is
+            ignored by the ``fminf`` (the row's amax is used); ``check_scale=True`` asserts it finite and > 0
+            without a host sync (as :func:`rms_norm_static_fp8_quant`).
         residual: optional, like ``x``; overwritten with ``r(x + residual)``.
         out: optional ``float8_e4m3fn`` (or ``uint8`` codes) ``[..., hidden_size]``;
         scales: optional float32 ``[num_rows, 1]`` (``num_rows`` = the product of the leading
@@ -332,14 +346,16 @@ def rms_norm_dynamic_per_token_quant(x, weight, eps, scale_ub=None, residual=Non
     if ad.is_compiling():
         return rms_norm_dynamic_per_token_quant.traced(
             x=x, weight=weight, eps=eps, scale_ub=scale_ub, residual=residual, out=out,
-            scales=scales, stream=stream)
+            scales=scales, check_scale=check_scale, stream=stream)
     k = (L.key("rms_norm_dynamic_per_token_quant", (eps,), x, weight, scale_ub, residual, out,
-               scales) if stream is None else None)
+               scales) if stream is None and check_scale is False else None)
     if k is not None and (hit := L.replay(k)) is not None:
         return L.fill(hit, out, scales)
     op = "loomnb.rms_norm_dynamic_per_token_quant"
     xa, wa, eps = _inputs(op, x, weight, eps)
     ua = C.one_element(op, "scale_ub", scale_ub, xa) if scale_ub is not None else None
+    if check_scale and ua is not None:
+        C.assert_positive_finite(op, "scale_ub", ua)
     ra = _residual(op, xa, residual) if residual is not None else None
     num_rows = xa.size // max(xa.shape[-1], 1)
     oa = C.output(op, "out", out, like=xa, kind=("fp8", "u8") if out is not None else "fp8",

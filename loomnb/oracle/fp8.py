@@ -39,11 +39,12 @@ def clamp_fp8_nan_low(v):
 
 
 def scale_from_amax(amax, scale_ub=None):
-    """Per-token scale ``max(min(amax, ub) / 448, 1 / (448 * 512))`` in float32."""
+    """Per-token scale ``fmaxf(fminf(amax, ub) / 448, 1 / (448 * 512))`` in float32 (``fminf``
+    and ``fmaxf`` ignore a NaN operand, as CUDA's)."""
     amax = np.asarray(amax, dtype=np.float32)
     if scale_ub is not None:
-        amax = np.minimum(amax, np.float32(np.asarray(scale_ub, dtype=np.float32).reshape(-1)[0]))
-    return np.maximum(amax / FP8_MAX, FP8_MIN_SCALE).astype(np.float32)
+        amax = np.fmin(amax, np.float32(np.asarray(scale_ub, dtype=np.float32).reshape(-1)[0]))
+    return np.fmax(amax / FP8_MAX, FP8_MIN_SCALE).astype(np.float32)
 
 
 def ue8m0(s):
@@ -58,3 +59,26 @@ def ue8m0(s):
 def e4m3_decode(codes):
     """uint8 E4M3 codes -> float32 (exact)."""
     return np.asarray(codes, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+# ---------------------------------------------------------------- FP8 E5M2 (float8_e5m2)
+FP8_E5M2_MAX = np.float32(57344.0)
+
+
+def e5m2_encode(x):
+    """float32 array -> uint8 E5M2 (``float8_e5m2``) codes as CUDA's
+    ``__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E5M2)`` / ``cvt.rn.satfinite.e5m2x2.f32``:
+    round to nearest even, finite overflow and infinities saturate to +-57344 (0x7B/0xFB), NaN
+    -> the canonical 0x7F, the sign of zero kept. (ml_dtypes' cast overflows to inf instead.)"""
+    x = np.asarray(x, dtype=np.float32)
+    flat = x.reshape(-1)
+    sat = np.clip(flat, -FP8_E5M2_MAX, FP8_E5M2_MAX)  # NaN passes through np.clip
+    with np.errstate(invalid="ignore"):
+        codes = sat.astype(ml_dtypes.float8_e5m2).view(np.uint8).copy()
+    codes[np.isnan(flat)] = 0x7F
+    return codes.reshape(x.shape)
+
+
+def e5m2_decode(codes):
+    """uint8 E5M2 codes -> float32 (exact)."""
+    return np.asarray(codes, dtype=np.uint8).view(ml_dtypes.float8_e5m2).astype(np.float32)
