@@ -1,0 +1,151 @@
+"""The documentation describes this repository and nothing outside it, and says what the code does.
+
+* no file points outside the repository (a clone has nothing beside it);
+* every repository path the README, ``docs/`` and the notebooks cite exists;
+* ``docs/numerics.md`` has the shared rules and the RMSNorm section written;
+* the README's CPU example runs and prints one answer, and the README says how to choose
+  torch's CPU or CUDA build;
+* the FP8 ops' docstrings say ``out`` may be ``uint8`` codes, and the ops accept it (sim pass).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TEXT_SUFFIXES = {".py", ".md", ".ipynb", ".sh", ".toml", ".txt", ".cfg", ".ini", ".yml", ".yaml"}
+# Spelled in pieces so that this file does not match itself.
+OUTSIDE = ["../" + "shared", "shared folder " + "beside", "beside the " + "repository"]
+
+
+def repository_text_files():
+    roots = [REPO / d for d in ("loomnb", "tests", "benchmarks", "notebooks", "docs", "scripts",
+                                ".ci")]
+    files = [REPO / "README.md", REPO / "pyproject.toml"]
+    for root in roots:
+        if root.is_dir():
+            files += [p for p in root.rglob("*") if p.is_file() and (p.suffix in TEXT_SUFFIXES
+                                                                      or p.parent.name == ".ci")]
+    return [p for p in files if "__pycache__" not in p.parts and p.exists()]
+
+
+def test_nothing_points_outside_the_repository():
+    hits = []
+    for path in repository_text_files():
+        text = path.read_text(errors="replace")
+        for i, line in enumerate(text.splitlines(), 1):
+            if any(pattern in line for pattern in OUTSIDE):
+                hits.append(f"{path.relative_to(REPO)}:{i}: {line.strip()[:120]}")
+    assert not hits, "references to files outside the repository:\n" + "\n".join(hits)
+
+
+CITED = re.compile(r"(?<![\w/.])((?:loomnb|tests|benchmarks|docs|notebooks|scripts)/"
+                   r"[\w./-]*\w\.(?:py|md|ipynb|sh|json|csv|log|png))")
+
+
+def user_docs():
+    """(name, text) of the README, docs/*.md and every notebook cell."""
+    docs = [("README.md", (REPO / "README.md").read_text())]
+    docs += [(str(p.relative_to(REPO)), p.read_text()) for p in sorted((REPO / "docs").glob("*.md"))]
+    for nb in sorted((REPO / "notebooks").glob("*.ipynb")):
+        cells = json.loads(nb.read_text())["cells"]
+        docs.append((str(nb.relative_to(REPO)), "\n".join("".join(c["source"]) for c in cells)))
+    return docs
+
+
+def test_cited_repository_paths_exist():
+    missing = [f"{name}: {m}" for name, text in user_docs() for m in CITED.findall(text)
+               if not (REPO / m).exists()]
+    assert not missing, "documents cite files that do not exist:\n" + "\n".join(missing)
+
+
+def test_the_citation_check_finds_paths():
+    """The regex above must see the paths the notebook and README cite (or the check is empty)."""
+    cited = {m for _, text in user_docs() for m in CITED.findall(text)}
+    assert {"tests/test_norm_gpu.py", "benchmarks/bench_norm.py", "docs/numerics.md"} <= cited
+
+
+def numerics_section(title):
+    text = (REPO / "docs" / "numerics.md").read_text()
+    start = text.index(f"\n## {title}")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+def test_numerics_shared_rules_and_rmsnorm_are_written():
+    shared = numerics_section("Shared rules")
+    norm = numerics_section("RMSNorm family")
+    for section in (shared, norm):
+        assert "<!--" not in section and len(section) > 2000
+    for fact in ("0x7FFF", "+448", "0x80", "stored = real / scale", "Model Runner V2", "eps"):
+        assert fact in shared, fact
+    for fact in ('rounding="once"', "vLLM 0.24.0", "FlashInfer", "float64", "scale_ub",
+                 "torch.ops._C.rms_norm", "uint8", "LlamaRMSNorm", "forward_native"):
+        assert fact in norm, fact
+
+
+def readme_cpu_example():
+    readme = (REPO / "README.md").read_text()
+    m = re.search(r'NUMBA_ENABLE_CUDASIM=1 python3 -c "\n(.*?)"\n```', readme, re.S)
+    assert m, "the README's simulator example is gone"
+    return m.group(1)
+
+
+def test_readme_cpu_example_prints_one_answer():
+    code = readme_cpu_example()
+    assert "np.array_equal" in code
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(REPO))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=REPO, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout == "True\n", run.stdout
+
+
+def test_readme_says_how_to_choose_the_torch_build():
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in readme
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu" in readme
+    assert "From plain PyPI that is the CUDA build on Linux" in readme
+
+
+# op -> the docstring that documents its ``out`` (the fused form refers to the static one's)
+FP8_OUT_DOC = {"rms_norm_static_fp8_quant": "rms_norm_static_fp8_quant",
+               "fused_add_rms_norm_static_fp8_quant": "rms_norm_static_fp8_quant",
+               "rms_norm_dynamic_per_token_quant": "rms_norm_dynamic_per_token_quant"}
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("name", sorted(FP8_OUT_DOC))
+def test_fp8_out_may_be_uint8_codes_as_documented(name):
+    """The docstrings say ``out`` may be ``uint8`` (the E4M3 codes): the ops accept it, write the
+    oracle's codes into it and return it."""
+    import ml_dtypes
+
+    import loomnb
+
+    doc = " ".join(getattr(loomnb, FP8_OUT_DOC[name]).__doc__.split())
+    assert re.search(r"out: optional .*``uint8``", doc), doc
+    if name != FP8_OUT_DOC[name]:
+        assert f":func:`{FP8_OUT_DOC[name]}`" in getattr(loomnb, name).__doc__
+    rng = np.random.default_rng(5)
+    bf16 = ml_dtypes.bfloat16
+    x = (rng.standard_normal((3, 24)) * 2).astype(bf16)
+    w = rng.standard_normal(24).astype(bf16)
+    residual = rng.standard_normal((3, 24)).astype(bf16)
+    scale = np.array([0.02], np.float32)
+    args = {"rms_norm_static_fp8_quant": lambda: (x, w, scale, 1e-6),
+            "fused_add_rms_norm_static_fp8_quant": lambda: (x, residual.copy(), w, scale, 1e-6),
+            "rms_norm_dynamic_per_token_quant": lambda: (x, w, 1e-6)}[name]
+    codes = np.full(x.shape, 0xAA, np.uint8)
+    got = getattr(loomnb, name)(*args(), out=codes)
+    want = getattr(loomnb.oracle, name)(*args())
+    if name != "rms_norm_static_fp8_quant":  # (out, residual) / (out, scales)
+        got, want = got[0], want[0]
+    assert got is codes
+    assert np.array_equal(codes, np.asarray(want).view(np.uint8))
