@@ -12,7 +12,9 @@ def main(argv=None, prog="python -m loomnb") -> int:
     """Run the command line; returns the exit code."""
     try:
         from loomnb.models.cli import main as cli_main
-    except ImportError as e:  # torch, gguf or tokenizers missing
+    except ImportError as e:  # torch, gguf or tokenizers missing; loomnb's own errors propagate
+        if (e.name or "loomnb").split(".")[0] == "loomnb":
+            raise
         print(f"{prog}: error: the command line needs {e.name or 'a missing package'}: "
               "python3 -m pip install 'loomnb[torch,model]' (see the README)", file=sys.stderr)
         return 2

@@ -78,6 +78,17 @@ if not SIM:
         return sig, codegen
 
     @intrinsic
+    def cvt_e5m2x2(typingctx, hi, lo):
+        """float32 pair -> FP8 E5M2 pair (RNE, saturating to +-57344, NaN -> 0x7F): ``hi`` in bits 15..8."""
+        sig = types.uint32(types.float32, types.float32)
+
+        def codegen(context, builder, sig, args):
+            h = _asm(builder, _i16, [_f32, _f32], "cvt.rn.satfinite.e5m2x2.f32 $0, $1, $2;", "=h,f,f", args)
+            return builder.zext(h, _i32)
+
+        return sig, codegen
+
+    @intrinsic
     def cvt_f16_to_f32(typingctx, bits):
         """fp16 bit pattern (low 16 bits of a uint32) -> float32, exact."""
         sig = types.float32(types.uint32)

@@ -308,6 +308,26 @@ def test_python_m_loomnb():
     assert len(bad.stderr.splitlines()) == 1 and "Traceback" not in bad.stderr
 
 
+def test_python_m_loomnb_without_the_model_extras(capsys, monkeypatch):
+    """Without torch (or gguf, tokenizers) the command is one line naming what to install."""
+    import builtins
+
+    import loomnb.__main__ as entry
+
+    real_import = builtins.__import__
+
+    def import_without_torch(name, *args, **kwargs):
+        if name == "loomnb.models.cli":
+            raise ModuleNotFoundError("No module named 'torch'", name="torch")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", import_without_torch)
+    assert entry.main(["--version"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == ("python -m loomnb: error: the command line needs torch: python3 -m "
+                                 "pip install 'loomnb[torch,model]' (see the README)\n")
+
+
 def test_help_names_the_model_and_gives_every_default(capsys):
     parser = cli.build_parser()
     gen = parser._subparsers._group_actions[0].choices["generate"]

@@ -188,3 +188,76 @@ def _pos(*v):
 def test_errors(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+# --- whole-cache allocations (KV_LAYOUTS) and their K/V views -----------------------------------
+@pytest.mark.parametrize("layout", pk.KV_LAYOUTS)
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_kv_views_are_views_with_the_documented_axes(layout, lib):
+    """Writing K[t] and V[t] through the views lands where the layout says, in one buffer,
+    without copies; K and V never share an element."""
+    nb, bs, hk, hd = 3, 4, 2, 16
+    dtype = np.int16 if lib == "numpy" else torch.int16
+    kv = pk.allocate_kv_cache(layout, nb, bs, hk, hd, dtype, lib=lib, fill=0)
+    assert tuple(kv.shape) == pk.kv_cache_shape(layout, nb, bs, hk, hd)
+    k, v = pk.kv_views(kv, layout, hk, hd)
+    base = kv if lib == "numpy" else kv.numpy()
+    kn, vn = (k, v) if lib == "numpy" else (k.numpy(), v.numpy())
+    assert np.shares_memory(kn, base) and np.shares_memory(vn, base)
+    assert not np.shares_memory(kn, vn)
+    for slot, h, d in itertools.product([0, 5, nb * bs - 1], range(hk), [0, 7, hd - 1]):
+        blk, off = divmod(slot, bs)
+        val = 1 + slot * 100 + h * 10 + d
+        if layout == "legacy_xpacked":
+            x = kn.shape[4]
+            kn[blk, h, d // x, off, d % x] = val
+            vn[blk, h, d, off] = -val
+            ko = pk.kv_element_offset(kn, slot, h, d)
+            vo = pk.kv_element_offset(vn, slot, h, d, block_size=bs)
+        else:
+            kn[blk, off, h, d] = val
+            vn[blk, off, h, d] = -val
+            ko = pk.kv_element_offset(kn, slot, h, d)
+            vo = pk.kv_element_offset(vn, slot, h, d)
+        kflat = np.lib.stride_tricks.as_strided(kn, (ko + 1,), (kn.itemsize,))
+        vflat = np.lib.stride_tricks.as_strided(vn, (vo + 1,), (vn.itemsize,))
+        assert kflat[ko] == val and vflat[vo] == -val
+    assert (base != 0).sum() == 2 * 3 * hk * 3
+
+
+def test_interleaved_and_hnd_strides_are_vllms():
+    """interleaved NHD: block stride 2*B*Hk*D, K page then V page; HND: heads outside the block
+    offset (physical [NB, 2, Hk, B, D]); split: all K blocks then all V blocks."""
+    nb, bs, hk, hd = 3, 16, 2, 8
+    kv = pk.allocate_kv_cache("interleaved_nhd", nb, bs, hk, hd, torch.bfloat16)
+    k, v = pk.kv_views(kv, "interleaved_nhd")
+    assert k.stride() == (2 * bs * hk * hd, hk * hd, hd, 1)
+    assert v.data_ptr() - k.data_ptr() == bs * hk * hd * 2
+    kv = pk.allocate_kv_cache("interleaved_hnd", nb, bs, hk, hd, torch.bfloat16)
+    k, v = pk.kv_views(kv, "interleaved_hnd")
+    assert tuple(k.shape) == (nb, bs, hk, hd) and k.stride() == (2 * bs * hk * hd, hd, bs * hd, 1)
+    kv = pk.allocate_kv_cache("split_hnd", nb, bs, hk, hd, torch.bfloat16)
+    k, v = pk.kv_views(kv, "split_hnd")
+    assert k.stride() == (bs * hk * hd, hd, bs * hd, 1)
+    assert v.data_ptr() - k.data_ptr() == nb * bs * hk * hd * 2
+    kv = pk.allocate_kv_cache("legacy_xpacked", nb, bs, hk, 64, torch.uint8)
+    k, v = pk.kv_views(kv, "legacy_xpacked", hk, 64)
+    assert tuple(k.shape) == (nb, hk, 4, bs, 16) and tuple(v.shape) == (nb, hk, 64, bs)
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda: pk.kv_cache_shape("interleaved", 1, 16, 1, 64), LoomnbValueError,
+     r"argument 'layout' must be one of 'interleaved_nhd', 'interleaved_hnd', 'split_nhd', "
+     r"'split_hnd', 'legacy_xpacked'; got 'interleaved'"),
+    (lambda: pk.allocate_kv_cache("legacy_xpacked", 1, 16, 1, 12, np.int16, lib="numpy"),
+     LoomnbValueError, r"argument 'head_size' must be a multiple of x = 16 // 2 = 8; got 12"),
+    (lambda: pk.kv_views(np.zeros((2, 3, 4, 1, 8)), "interleaved_nhd"), LoomnbValueError,
+     r"argument 'kv_cache' must be of shape \(num_blocks, 2, ...\) for 'interleaved_nhd'"),
+    (lambda: pk.kv_views(np.zeros((2, 3, 100), np.int16), "legacy_xpacked", 2, 16),
+     LoomnbValueError, r"argument 'kv_cache' must be pages of block_size \* 2 \* 16 elements"),
+    (lambda: pk.allocate_kv_cache("split_nhd", 1, 16, 1, 64, np.int16, lib="cupy"),
+     LoomnbValueError, r"argument 'lib' must be 'torch' or 'numpy'"),
+])
+def test_kv_layout_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()

@@ -1,4 +1,4 @@
-"""bf16, fp16 and FP8 E4M3 packing as device functions (usable inside ``@cuda.jit`` kernels).
+"""bf16, fp16 and FP8 (E4M3, E5M2) packing as device functions (usable inside ``@cuda.jit`` kernels).
 
 Storage convention inside kernels: bf16 and fp16 values travel as their ``uint16`` bit patterns,
 FP8 E4M3 (``float8_e4m3fn``) as ``uint8`` codes, and arithmetic happens in float32 (the
@@ -9,8 +9,9 @@ Two implementations of every conversion:
 
 * **portable**: integer bit manipulation only, so it runs identically on the GPU and under
   numba's CUDA simulator (which has no bf16, fp16 or FP8 types). Round-to-nearest-even;
-  NaN becomes the CUDA canonical NaN (bf16/fp16 ``0x7FFF``, E4M3 ``0x7F``); E4M3 saturates to
-  +-448 (``__NV_SATFINITE``), never producing NaN from a finite input.
+  NaN becomes the CUDA canonical NaN (bf16/fp16 ``0x7FFF``, E4M3 and E5M2 ``0x7F``); E4M3
+  saturates to +-448 and E5M2 to +-57344 (``__NV_SATFINITE``, infinities included), never
+  producing NaN from a finite input.
 * **hardware** (GPU only): Hopper's ``cvt`` instructions through
   :mod:`loomnb._numba_internals`. ``tests/test_norm_gpu.py`` and ``tests/test_fp8_gpu.py`` prove
   them bit-identical to the portable functions over all inputs that matter, and the kernels use
@@ -138,6 +139,32 @@ def f32_to_e4m3_portable(x):
     return sign | int(q)
 
 
+# ---------------------------------------------------------------- fp8 e5m2 ----------------
+
+@device
+def e5m2_to_f32(c):
+    """FP8 E5M2 (float8_e5m2) code -> float32 (exact): the code is the top byte of an fp16."""
+    return f16_to_f32_portable(int(c) << 8)
+
+
+@device
+def f32_to_e5m2_portable(x):
+    """float32 -> FP8 E5M2 code: RNE, finite overflow and inf saturate to +-57344 (0x7B),
+    NaN -> 0x7F (``__NV_SATFINITE``, ``cvt.rn.satfinite.e5m2x2.f32``)."""
+    u = int(f32_bits(x))
+    sign = (u >> 24) & 0x80
+    a = u & 0x7FFFFFFF
+    if a > 0x7F800000:
+        return 0x7F
+    if a >= 0x47600000:  # |x| >= 57344: the largest finite value, or saturated to it
+        return sign | 0x7B
+    if a >= 0x38800000:  # |x| >= 2**-14: normal; drop 21 mantissa bits with RNE, rebias 127 -> 15
+        return sign | (((a + 0xFFFFF + ((a >> 21) & 1)) >> 21) - 448)
+    v = bits_f32(a) * float32(65536.0)  # subnormal: steps of 2**-16
+    q = (v + float32(12582912.0)) - float32(12582912.0)
+    return sign | int(q)
+
+
 # ---------------------------------------------------------------- hardware selection ------
 
 if SIM:
@@ -160,12 +187,25 @@ if SIM:
     def pack_e4m3x2(hi, lo):
         """Two float32 -> 16 bits of two E4M3 codes (``hi`` in bits 15..8)."""
         return (int(f32_to_e4m3_portable(hi)) << 8) | int(f32_to_e4m3_portable(lo))
+
+    f32_to_e5m2 = f32_to_e5m2_portable
+
+    @device
+    def pack_e5m2x2(hi, lo):
+        """Two float32 -> 16 bits of two E5M2 codes (``hi`` in bits 15..8)."""
+        return (int(f32_to_e5m2_portable(hi)) << 8) | int(f32_to_e5m2_portable(lo))
 else:
-    from .._numba_internals import cvt_bf16x2, cvt_e4m3x2, cvt_f16_to_f32, cvt_f16x2
+    from .._numba_internals import cvt_bf16x2, cvt_e4m3x2, cvt_e5m2x2, cvt_f16_to_f32, cvt_f16x2
 
     pack_bf16x2 = cvt_bf16x2
     pack_f16x2 = cvt_f16x2
     pack_e4m3x2 = cvt_e4m3x2
+    pack_e5m2x2 = cvt_e5m2x2
+
+    @device
+    def f32_to_e5m2(x):
+        """float32 -> E5M2 code (hardware ``cvt.rn.satfinite.e5m2x2.f32``)."""
+        return cvt_e5m2x2(float32(0), x) & 0xFF
 
     @device
     def f32_to_bf16(x):

@@ -12,15 +12,46 @@ counts its tokens, the new ones included. Token ``pos`` of sequence ``seq`` live
 padded token (CUDA-graph padding) has slot ``PAD_SLOT_ID = -1`` and vLLM's cache writes
 (``reshape_and_cache[_flash]``) skip it.
 
-Layouts of one layer's ``key_cache``/``value_cache`` (``LAYOUTS``):
+Layouts of one layer's ``key_cache``/``value_cache`` (``LAYOUTS``), each a C-contiguous array
+of its own:
 
-* ``"NHD"``: ``[num_blocks, block_size, num_kv_heads, head_size]`` -- vLLM's FlashAttention
-  backend (it stacks K and V as ``[2, num_blocks, ...]``), FlashInfer's default, and
-  :mod:`loomnb.models.paged_cache`. Slot-major: ``cache.view(-1, num_kv_heads, head_size)[slot]``.
-* ``"HND"``: ``[num_blocks, num_kv_heads, block_size, head_size]`` -- FlashInfer's other layout.
+* ``"NHD"``: ``[num_blocks, block_size, num_kv_heads, head_size]`` -- the K (or V) page order of
+  vLLM's flash layouts and FlashInfer's default, and :mod:`loomnb.models.paged_cache`.
+  Slot-major: ``cache.view(-1, num_kv_heads, head_size)[slot]``.
+* ``"HND"``: ``[num_blocks, num_kv_heads, block_size, head_size]`` -- FlashInfer's other order.
 * ``"paged_attention"``: vLLM's ``paged_attention_v1/v2`` kernels: ``key_cache [num_blocks,
   num_kv_heads, head_size // x, block_size, x]`` with ``x = 16 // element_size`` (16 bytes of
   a key row stay together), ``value_cache [num_blocks, num_kv_heads, head_size, block_size]``.
+
+Whole-cache allocations of one layer (``KV_LAYOUTS``): one buffer holding K and V, split by
+:func:`kv_views` into two **strided views** (no copy) that the cache-writing and attention ops
+take as they are:
+
+* ``"interleaved_nhd"`` / ``"interleaved_hnd"``: ``kv_cache`` of logical shape ``(num_blocks,
+  2, block_size, num_kv_heads, head_size)``, ``key_cache = kv_cache[:, 0]``, ``value_cache =
+  kv_cache[:, 1]`` -- what vLLM 0.24's FlashAttention, FlashInfer and Triton backends allocate
+  (``get_kv_cache_shape``, split with ``unbind(1)``), and FlashInfer's own paged format
+  ``[max_num_pages, 2, page_size, num_kv_heads, head_dim]``. A block's K page and V page are
+  adjacent (block stride ``2 * block_size * num_kv_heads * head_size``). HND is the same
+  logical shape over physical memory ``[num_blocks, 2, num_kv_heads, block_size, head_size]``
+  (vLLM's ``VLLM_KV_CACHE_LAYOUT=HND``: stride order (0, 1, 3, 2, 4)).
+* ``"split_nhd"`` / ``"split_hnd"``: ``kv_cache`` of logical shape ``(2, num_blocks,
+  block_size, num_kv_heads, head_size)``, ``key_cache = kv_cache[0]``, ``value_cache =
+  kv_cache[1]`` -- older vLLM trees and vLLM 0.24's ROCm backend; HND physical memory ``[2,
+  num_blocks, num_kv_heads, block_size, head_size]``.
+* ``"legacy_xpacked"``: ``kv_cache`` of shape ``(2, num_blocks, block_size * num_kv_heads *
+  head_size)`` (vLLM's PagedAttention wrapper), ``key_cache = kv_cache[0].view(num_blocks,
+  num_kv_heads, head_size // x, block_size, x)`` (the x-packed key) and ``value_cache =
+  kv_cache[1].view(num_blocks, num_kv_heads, head_size, block_size)`` -- the per-layer
+  ``"paged_attention"`` layout above, written by ``reshape_and_cache``.
+
+**Logical axis order of the views.** For the four flash layouts both views are ``[num_blocks,
+block_size, num_kv_heads, head_size]`` (index ``[block, offset, kv_head, d]``) whatever the
+physical order; only their strides differ (NHD: ``(2*B*Hk*D or B*Hk*D, Hk*D, D, 1)``; HND:
+``(..., D, B*D, 1)``), and ``head_size`` is always the contiguous axis. For
+``legacy_xpacked`` the views keep vLLM's own axis order: key ``[block, kv_head, d // x,
+offset, d % x]``, value ``[block, kv_head, d, offset]``. :func:`kv_element_offset` gives the
+element offset of ``(slot, kv_head, d)`` in either view from its strides.
 
 FlashInfer names the same things differently (``FLASHINFER_TO_VLLM``). It describes the pages
 of a batch in CSR form: ``kv_indptr`` (``[num_seqs + 1]``), ``kv_indices`` (the pages of all
@@ -50,6 +81,7 @@ from ..checks import fail_type, fail_value
 
 PAD_SLOT_ID = -1
 LAYOUTS = ("NHD", "HND", "paged_attention")
+KV_LAYOUTS = ("interleaved_nhd", "interleaved_hnd", "split_nhd", "split_hnd", "legacy_xpacked")
 
 FLASHINFER_TO_VLLM = {
     "page_size": "block_size",
@@ -66,6 +98,7 @@ FLASHINFER_TO_VLLM = {
     "positions": "positions",
     "append_paged_kv_cache": "reshape_and_cache_flash (slot_mapping instead of the CSR arrays)",
     "kv_layout": "layout ('NHD' = vLLM's flash layout, or 'HND')",
+    "paged_kv_cache": "kv_cache of KV_LAYOUTS 'interleaved_nhd'/'interleaved_hnd' (same memory)",
 }
 
 
@@ -340,7 +373,121 @@ def from_nhd(cache, layout, which="key"):
     return _contiguous(_permute(cache.reshape(nb, bs, kvh, hs // x, x), lib, (0, 2, 3, 1, 4)), lib)
 
 
+# --- whole-cache allocations and their K/V views ----------------------------------------------
+
+def kv_cache_shape(layout, num_blocks, block_size, num_kv_heads, head_size):
+    """Logical shape of one layer's ``kv_cache`` in ``layout`` (``KV_LAYOUTS``; see the module
+    docstring): ``(num_blocks, 2, block_size, num_kv_heads, head_size)`` for the interleaved
+    layouts, ``(2, num_blocks, ...)`` for the split ones, ``(2, num_blocks, block_size *
+    num_kv_heads * head_size)`` for ``legacy_xpacked``."""
+    op = "kv_cache_shape"
+    _check_dims(op, num_blocks, block_size, num_kv_heads, head_size)
+    layout = _kv_layout(op, layout)
+    if layout == "legacy_xpacked":
+        return (2, num_blocks, block_size * num_kv_heads * head_size)
+    page = (block_size, num_kv_heads, head_size)
+    return (num_blocks, 2, *page) if layout.startswith("interleaved") else (2, num_blocks, *page)
+
+
+_PHYSICAL = {  # physical (allocation) order of the logical axes, as vLLM's stride order
+    "interleaved_nhd": (0, 1, 2, 3, 4), "interleaved_hnd": (0, 1, 3, 2, 4),
+    "split_nhd": (0, 1, 2, 3, 4), "split_hnd": (0, 1, 3, 2, 4), "legacy_xpacked": (0, 1, 2)}
+
+
+def allocate_kv_cache(layout, num_blocks, block_size, num_kv_heads, head_size, dtype,
+                      device=None, *, lib="torch", fill=0):
+    """One layer's ``kv_cache`` in ``layout``: a new buffer of :func:`kv_cache_shape` whose
+    strides follow the layout's physical order (HND: heads outside the block offset), filled
+    with ``fill`` (None: uninitialised). ``dtype`` is a torch dtype (``lib="torch"``, on
+    ``device``) or a NumPy/ml_dtypes dtype (``lib="numpy"``); FP8 caches may be ``uint8`` (as
+    vLLM allocates them) or ``float8_e4m3fn``/``float8_e5m2``. Split it with :func:`kv_views`.
+
+    The legacy layout needs ``head_size`` to be a multiple of ``x = 16 // element_size``."""
+    op = "allocate_kv_cache"
+    shape = kv_cache_shape(layout, num_blocks, block_size, num_kv_heads, head_size)
+    order = _PHYSICAL[layout]
+    phys = tuple(shape[i] for i in order)
+    inverse = tuple(order.index(i) for i in range(len(order)))
+    if lib == "torch":
+        torch = __import__("torch")
+        buf = torch.empty(phys, dtype=dtype, device=device)
+        if layout == "legacy_xpacked":
+            _x_for(op, head_size, buf.element_size())
+        if fill is not None:
+            buf.fill_(fill)
+        return buf.permute(inverse)
+    if lib != "numpy":
+        fail_value(op, "lib", "'torch' or 'numpy'", repr(lib))
+    buf = np.empty(phys, dtype=dtype)
+    if layout == "legacy_xpacked":
+        _x_for(op, head_size, buf.itemsize)
+    if fill is not None:
+        buf[...] = fill
+    return buf.transpose(inverse)
+
+
+def kv_views(kv_cache, layout, num_kv_heads=None, head_size=None):
+    """``(key_cache, value_cache)``: strided views of ``kv_cache`` (never copies).
+
+    Flash layouts: both ``[num_blocks, block_size, num_kv_heads, head_size]`` (``kv_cache[:,
+    0]``/``[:, 1]`` interleaved, ``kv_cache[0]``/``[1]`` split). ``legacy_xpacked`` needs
+    ``num_kv_heads`` and ``head_size``: key ``[num_blocks, num_kv_heads, head_size // x,
+    block_size, x]``, value ``[num_blocks, num_kv_heads, head_size, block_size]``."""
+    op = "kv_views"
+    layout = _kv_layout(op, layout)
+    lib = _lib_of(op, "kv_cache", kv_cache)
+    if layout == "legacy_xpacked":
+        if kv_cache.ndim != 3 or kv_cache.shape[0] != 2:
+            fail_value(op, "kv_cache", "of shape (2, num_blocks, block_size * num_kv_heads * "
+                       "head_size)", f"shape {list(kv_cache.shape)}")
+        _check_dims(op, kv_cache.shape[1], 1, num_kv_heads, head_size)
+        per_block = kv_cache.shape[2]
+        if per_block % (num_kv_heads * head_size):
+            fail_value(op, "kv_cache", f"pages of block_size * {num_kv_heads} * {head_size} "
+                       "elements", f"{per_block} elements per block")
+        nb, bs = kv_cache.shape[1], per_block // (num_kv_heads * head_size)
+        itemsize = kv_cache.itemsize if lib == "numpy" else kv_cache.element_size()
+        x = _x_for(op, head_size, itemsize)
+        return (kv_cache[0].reshape(nb, num_kv_heads, head_size // x, bs, x),
+                kv_cache[1].reshape(nb, num_kv_heads, head_size, bs))
+    if kv_cache.ndim != 5 or kv_cache.shape[0 if layout.startswith("split") else 1] != 2:
+        fail_value(op, "kv_cache", "of shape " + ("(2, num_blocks, ...)" if layout.startswith(
+            "split") else "(num_blocks, 2, ...)") + f" for {layout!r}", f"shape {list(kv_cache.shape)}")
+    if layout.startswith("split"):
+        return kv_cache[0], kv_cache[1]
+    return kv_cache[:, 0], kv_cache[:, 1]
+
+
+def kv_element_offset(view, slot, kv_head, d, block_size=None):
+    """Element offset (from the view's first element, in elements) of ``(slot, kv_head, d)`` in
+    a K or V view from :func:`kv_views`, computed from the view's strides: flash views
+    ``[block, offset, kv_head, d]``; a 5-D view is the x-packed legacy key ``[block, kv_head,
+    d // x, offset, d % x]``; a 4-D view with ``block_size`` given is the legacy value
+    ``[block, kv_head, d, offset]``."""
+    st = view.strides if isinstance(view, np.ndarray) else view.stride()
+    if isinstance(view, np.ndarray):
+        st = tuple(s // view.itemsize for s in st)
+    if view.ndim == 5:
+        x = view.shape[4]
+        bs = view.shape[3]
+        blk, off = slot // bs, slot % bs
+        return blk * st[0] + kv_head * st[1] + (d // x) * st[2] + off * st[3] + (d % x) * st[4]
+    if block_size is not None:  # legacy value [block, kv_head, d, offset]
+        blk, off = slot // block_size, slot % block_size
+        return blk * st[0] + kv_head * st[1] + d * st[2] + off * st[3]
+    bs = view.shape[1]
+    blk, off = slot // bs, slot % bs
+    return blk * st[0] + off * st[1] + kv_head * st[2] + d * st[3]
+
+
 # --- private helpers --------------------------------------------------------------------------
+
+def _kv_layout(op, layout):
+    if layout not in KV_LAYOUTS:
+        fail_value(op, "layout", "one of " + ", ".join(map(repr, KV_LAYOUTS)), repr(layout))
+    return layout
+
+
 
 def _lib_of(op, name, arr):
     if isinstance(arr, np.ndarray):

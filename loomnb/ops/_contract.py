@@ -58,21 +58,55 @@ def same_place(a, b):
             and all(s * a.itemsize == t * b.itemsize for s, t in zip(a.strides, b.strides)))
 
 
-def no_overlap(op, writes, reads, in_place=()):
+def no_overlap(op, writes, reads, in_place=(), *, interleaved=False):
     """No array the op writes may overlap another argument, except a (write, read) pair named
     in ``in_place`` that is exactly the same memory (:func:`same_place`). ``writes``/``reads``
-    map names to :class:`~loomnb._adapter.Arr` (None entries are skipped)."""
+    map names to :class:`~loomnb._adapter.Arr` (None entries are skipped).
+
+    ``interleaved=True`` also accepts arrays whose extents overlap but whose elements cannot
+    (:func:`elements_may_overlap`): the q/k/v slices of one fused QKV buffer, the K and V pages
+    of one interleaved KV cache. The default compares extents only."""
     items = [(n, a, True) for n, a in writes.items() if a is not None]
     items += [(n, a, False) for n, a in reads.items() if a is not None]
     for i, (n1, a1, w1) in enumerate(items):
         for n2, a2, w2 in items[i + 1:]:
             if not (w1 or w2) or not a1.overlaps(a2):
                 continue
+            if interleaved and not elements_may_overlap(a1, a2):
+                continue
             if ((n1, n2) in in_place or (n2, n1) in in_place) and same_place(a1, a2):
                 continue
             fail_value(op, n1 if w1 else n2, f"a buffer that does not overlap '{n2 if w1 else n1}'",
                        "overlapping memory" + (" (same address, different element size or strides)"
                                                if a1.ptr == a2.ptr else ""))
+
+
+def elements_may_overlap(a, b):
+    """Whether two arrays may share a byte, decided from the outermost stride: when both have
+    the same largest byte stride ``S`` (over dimensions of size > 1), each spans less than
+    ``S`` bytes without that dimension, and their byte ranges within one period of ``S`` are
+    disjoint modulo ``S``, no element of one can touch the other (row-interleaved slices of one
+    buffer). Otherwise: whether their extents overlap (conservative)."""
+    if not a.overlaps(b):
+        return False
+
+    def period(x):
+        dims = [(abs(s) * x.itemsize, n, s) for n, s in zip(x.shape, x.strides) if n > 1]
+        if not dims or any(s < 0 for _, _, s in dims):
+            return None
+        big = max(dims)
+        inner = x.itemsize + sum((n - 1) * st for st, n, _ in dims if (st, n) != big[:2])
+        return big[0], inner
+
+    pa, pb = period(a), period(b)
+    if pa is None or pb is None or pa[0] != pb[0]:
+        return True
+    S, wa = pa
+    wb = pb[1]
+    if wa > S or wb > S:
+        return True
+    d = (b.ptr - a.ptr) % S
+    return not (wa <= d and d + wb <= S)
 
 
 def one_element(op, name, obj, like, kind="f32", like_name="x"):

@@ -20,3 +20,29 @@ def to_dtype(v, dtype):
         if nan.any():
             out.view(np.uint16)[nan] = CANONICAL_NAN[2]
     return out
+
+
+def fma_f32(a, b, c):
+    """``fma(a, b, c)`` in float32, rounded once (IEEE ``fma.rn.f32``), on NumPy arrays/scalars.
+
+    NumPy's float32 arithmetic never fuses, so an oracle that must reproduce a GPU's FMA
+    emulates it: ``a * b`` of two float32 values is exact in float64 (48 significant bits), and
+    ``p + c`` is then computed in float64 with **round to odd** (the float64 sum plus its exact
+    TwoSum error: an inexact sum whose last bit is even is moved one float64 ulp toward the
+    error), which makes the final rounding to float32 (nearest even) correct -- no double
+    rounding, since float64 keeps 29 > 2 extra bits. Exact for every input, subnormal results,
+    overflow to inf, NaN and signed zeros included (``tests/test_rope_cache_oracle.py`` checks
+    it against exact rational arithmetic; ``tests/test_rope_cache_gpu.py`` against the GPU).
+    """
+    a64 = np.asarray(a, dtype=np.float32).astype(np.float64)
+    b64 = np.asarray(b, dtype=np.float32).astype(np.float64)
+    c64 = np.asarray(c, dtype=np.float32).astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = a64 * b64  # exact
+        s = p + c64
+        bb = s - p  # TwoSum: err = (p - (s - bb)) + (c - bb), exact when s is finite
+        err = (p - (s - bb)) + (c64 - bb)
+        odd = (s.view(np.int64) & 1) == 1
+        fix = np.isfinite(s) & (err != 0) & ~odd
+        s = np.where(fix, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+        return s.astype(np.float32)

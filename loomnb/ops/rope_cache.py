@@ -1,0 +1,562 @@
+"""RoPE and the paged KV-cache write: ``rotary_embedding``, ``reshape_and_cache_flash``,
+``reshape_and_cache`` and the fused ``rotary_embedding_and_cache`` (one launch).
+
+Numerically interchangeable with vLLM 0.24's compiled ops (``torch.ops._C.rotary_embedding``,
+``torch.ops._C_cache_ops.reshape_and_cache_flash`` / ``reshape_and_cache``): RoPE in fp32 with
+each output rounded once, with the products vLLM's nvcc build fuses into FMAs (``fma="vllm"``;
+``"none"`` fuses nothing); cache writes copy the activation bits (``"auto"``) or store
+``fp8(f(v) / scale)``. ``docs/numerics.md`` has the family's numerics in one place.
+
+Bytes moved (the benchmark's model), per token, element size ``b``, ``rot_dim = 2e``:
+``rotary_embedding`` reads and writes the rotated channels of query and key (``2 * (Hq + Hk)
+* rot_dim * b``) and reads its cos/sin row (``rot_dim`` cache elements);
+``reshape_and_cache_flash`` reads key and value and writes them to the cache (``2 * Hk * D *
+(b + cache element size)``, + 8 bytes of slot); the fused op moves the union, so it saves one
+read of the rotated key and one launch.
+
+Arrays: query/key/value are ``[num_tokens, num_heads * head_size]`` or ``[num_tokens,
+num_heads, head_size]`` with a contiguous last dimension and any token/head strides (slices of
+a fused QKV buffer need no copy); caches are the strided views of :mod:`loomnb.layouts.paged_kv`
+(``kv_views``), so one kernel serves every layout through its strides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+from .. import _adapter as ad
+from .._dtypes import ACTIVATION_KINDS
+from ..checks import check_kind, check_same_device, check_same_kind, fail_type, fail_value
+from . import _contract as C
+from . import _launch as L
+from ._rope_cache_kernels import CS_KINDS, FMAS, FORMS, RopeCacheSpec, rope_cache_kernel
+from ._torch_ops import torch_op
+
+__all__ = ["rotary_embedding", "reshape_and_cache_flash", "reshape_and_cache",
+           "rotary_embedding_and_cache"]
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+_KV = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+_CACHE_KINDS = {"fp8_e4m3": ("fp8", "u8"), "fp8_e5m2": ("fp8_e5m2", "u8")}
+MAX_THREADS = 1024
+
+
+# ------------------------------------------------------------------------------ validation
+def _int(op, name, v, low):
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        fail_type(op, name, "an int", repr(v))
+    if v < low:
+        fail_value(op, name, f"an int >= {low}", repr(v))
+    return int(v)
+
+
+def _bool(op, name, v):
+    if not isinstance(v, bool):
+        fail_type(op, name, "a bool", repr(v))
+    return v
+
+
+def _tokens(op, name, a, lead, what):
+    """``a`` ``[*lead, ...]`` with its leading dims (``lead``, the positions' shape) merged into
+    one token dimension: returns (token stride, remaining shape, remaining strides)."""
+    n = len(lead)
+    if tuple(a.shape[:n]) != tuple(lead):
+        fail_value(op, name, f"of shape [{', '.join(map(str, lead))}, ...] ({what})",
+                   f"shape {list(a.shape)}")
+    if n == 2 and lead[0] > 1 and lead[1] > 1 and a.strides[0] != lead[1] * a.strides[1]:
+        fail_value(op, name, "batch and sequence dimensions that merge into one token dimension",
+                   f"shape {list(a.shape)} with strides {a.strides} (in elements)")
+    ts = a.strides[n - 1] if lead[n - 1] > 1 or n == 1 else a.strides[0]
+    return ts, a.shape[n:], a.strides[n:]
+
+
+def _heads(op, name, a, lead, head_size, what):
+    """A ``[*lead, H * D]`` or ``[*lead, H, D]`` array as a ``[T, H, D]`` view."""
+    if a.ndim not in (len(lead) + 1, len(lead) + 2):
+        fail_value(op, name, f"{len(lead) + 1}-D [..., num_heads * head_size] or "
+                   f"{len(lead) + 2}-D [..., num_heads, head_size] ({what})",
+                   f"a {a.ndim}-D array of shape {list(a.shape)}")
+    ts, rest, st = _tokens(op, name, a, lead, what)
+    if rest[-1] > 1 and st[-1] != 1 and 0 not in a.shape:
+        fail_value(op, name, "contiguous in its last dimension (stride 1)",
+                   f"strides {a.strides} (in elements)")
+    if len(rest) == 1:
+        if rest[0] % head_size or rest[0] == 0:
+            fail_value(op, name, f"a last dimension that is a positive multiple of head_size = "
+                       f"{head_size}", f"shape {list(a.shape)}")
+        H, hs = rest[0] // head_size, head_size
+    else:
+        if rest[1] != head_size:
+            fail_value(op, name, f"a last dimension of head_size = {head_size}",
+                       f"shape {list(a.shape)}")
+        H, hs = rest[0], st[0]
+    T = 1
+    for d in lead:
+        T *= d
+    return a.view((T, H, head_size), (ts, hs, 1))
+
+
+def _positions(op, positions):
+    p = ad.wrap(op, "positions", positions)
+    check_kind(op, "positions", p, ("i64",))
+    if p.ndim not in (1, 2):
+        fail_value(op, "positions", "1-D [num_tokens] or 2-D [batch_size, seq_len]",
+                   f"a {p.ndim}-D array of shape {list(p.shape)}")
+    T = p.size
+    if p.ndim == 2 and p.shape[0] > 1 and p.shape[1] > 1 and p.strides[0] != p.shape[1] * p.strides[1]:
+        fail_value(op, "positions", "batch and sequence dimensions that merge into one",
+                   f"strides {p.strides} (in elements)")
+    st = p.strides[-1] if p.shape[-1] > 1 or p.ndim == 1 else p.strides[0]
+    return p, p.view((T,), (st,))
+
+
+def _rope_inputs(op, positions, query, key, head_size, cos_sin_cache, is_neox, off, inverse,
+                 fma, cs_kinds=None):
+    """Validate the RoPE arguments; returns the [T, H, D] views and the numbers."""
+    p, pv = _positions(op, positions)
+    head_size = _int(op, "head_size", head_size, 1)
+    off = _int(op, "rope_dim_offset", off, 0)
+    _bool(op, "is_neox", is_neox)
+    _bool(op, "inverse", inverse)
+    C.choice(op, "fma", fma, FMAS)
+    q = ad.wrap(op, "query", query)
+    check_kind(op, "query", q, ACTIVATION_KINDS)
+    check_same_device(op, "query", q, "positions", p)
+    qv = _heads(op, "query", q, p.shape, head_size, "positions.shape + heads")
+    kv = None
+    if key is not None:
+        k = ad.wrap(op, "key", key)
+        check_same_kind(op, "key", k, "query", q)
+        check_same_device(op, "key", k, "query", q)
+        kv = _heads(op, "key", k, p.shape, head_size, "positions.shape + heads")
+        if qv.shape[1] % kv.shape[1]:
+            fail_value(op, "key", f"a number of heads that divides query's {qv.shape[1]}",
+                       f"{kv.shape[1]} heads")
+    cs = ad.wrap(op, "cos_sin_cache", cos_sin_cache)
+    allowed = cs_kinds or CS_KINDS[q.kind]
+    check_kind(op, "cos_sin_cache", cs, allowed)
+    check_same_device(op, "cos_sin_cache", cs, "query", q)
+    if cs.ndim != 2:
+        fail_value(op, "cos_sin_cache", "2-D [max_position, rot_dim]",
+                   f"a {cs.ndim}-D array of shape {list(cs.shape)}")
+    rot_dim = cs.shape[1]
+    if rot_dim < 2 or rot_dim % 2:
+        fail_value(op, "cos_sin_cache", "an even rot_dim = cos_sin_cache.shape[1] >= 2",
+                   f"shape {list(cs.shape)}")
+    if rot_dim > 1 and cs.strides[1] != 1:
+        fail_value(op, "cos_sin_cache", "contiguous in its last dimension (stride 1)",
+                   f"strides {cs.strides} (in elements)")
+    if rot_dim + off > head_size:
+        fail_value(op, "cos_sin_cache", f"rot_dim + rope_dim_offset <= head_size = {head_size}",
+                   f"rot_dim {rot_dim} + rope_dim_offset {off}")
+    return p, pv, q, qv, kv, cs, head_size, off, rot_dim
+
+
+def _scale(op, name, obj, like, num_kv_heads):
+    """A float32 scale of shape ``[1]``/``[]`` or ``[num_kv_heads]`` as an ``[Hk]`` view."""
+    s = ad.wrap(op, name, obj)
+    check_kind(op, name, s, ("f32",))
+    check_same_device(op, name, s, "key", like)
+    if s.size == 1:
+        return s.view((num_kv_heads,), (0,))
+    if s.ndim != 1 or s.shape[0] != num_kv_heads:
+        fail_value(op, name, f"a float32 array of shape [1] or [num_kv_heads] = [{num_kv_heads}]",
+                   f"shape {list(s.shape)}")
+    return s
+
+
+def _kv_inputs(op, key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale,
+               v_scale, *, legacy, like=None, kview=None, vview=None):
+    """Validate the cache-write arguments; returns (k [T,Hk,D], v, kc, vc views, slots, ks, vs,
+    kv). ``kview``/``vview``: [T, Hk, D] views already made (the fused op)."""
+    C.choice(op, "kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
+    kvd = _KV[kv_cache_dtype]
+    if kview is None:
+        k = ad.wrap(op, "key", key)
+        check_kind(op, "key", k, ACTIVATION_KINDS)
+        if k.ndim != 3:
+            fail_value(op, "key", "3-D [num_tokens, num_kv_heads, head_size]",
+                       f"a {k.ndim}-D array of shape {list(k.shape)}")
+        C.rows(op, [("key", k)])  # last dimension contiguous
+        kview = k
+        like = k
+    if vview is None:
+        v = ad.wrap(op, "value", value)
+        check_same_kind(op, "value", v, "key", like)
+        check_same_device(op, "value", v, "key", like)
+        if v.ndim == 3:
+            C.rows(op, [("value", v)])
+            vview = v
+        elif kview is not None and v.ndim == 2 and v.shape[-1] == kview.shape[1] * kview.shape[2]:
+            if v.shape[-1] > 1 and v.strides[-1] != 1 and 0 not in v.shape:
+                fail_value(op, "value", "contiguous in its last dimension (stride 1)",
+                           f"strides {v.strides} (in elements)")
+            vview = v.view((v.shape[0], kview.shape[1], kview.shape[2]),
+                           (v.strides[0], kview.shape[2], 1))
+        else:
+            fail_value(op, "value", "3-D [num_tokens, num_kv_heads, head_size]",
+                       f"a {v.ndim}-D array of shape {list(v.shape)}")
+    _, Hk, D = kview.shape
+    if tuple(vview.shape[1:]) != (Hk, D):
+        fail_value(op, "value", f"of shape [num_tokens, {Hk}, {D}] like 'key'",
+                   f"shape {list(vview.shape)}")
+    s = ad.wrap(op, "slot_mapping", slot_mapping)
+    check_kind(op, "slot_mapping", s, ("i64",))
+    check_same_device(op, "slot_mapping", s, "key", like)
+    if s.ndim != 1:
+        fail_value(op, "slot_mapping", "1-D [num_tokens]", f"shape {list(s.shape)}")
+    if s.shape[0] > min(kview.shape[0], vview.shape[0]):
+        fail_value(op, "slot_mapping", f"at most as long as key and value have tokens "
+                   f"({min(kview.shape[0], vview.shape[0])})", f"length {s.shape[0]}")
+    cache_kinds = (like.kind,) if kvd == "auto" else _CACHE_KINDS[kvd]
+    kc = ad.wrap(op, "key_cache", key_cache)
+    vc = ad.wrap(op, "value_cache", value_cache)
+    for name, c in (("key_cache", kc), ("value_cache", vc)):
+        check_kind(op, name, c, cache_kinds)
+        check_same_device(op, name, c, "key", like)
+    csz = kc.itemsize
+    if legacy:
+        x = 16 // csz
+        if kc.ndim != 5 or kc.shape[1] != Hk or kc.shape[2] * x != D or kc.shape[4] != x:
+            fail_value(op, "key_cache", f"5-D [num_blocks, {Hk}, {D} // x, block_size, x] with "
+                       f"x = 16 // {csz} = {x}", f"shape {list(kc.shape)}")
+        nb, bs = kc.shape[0], kc.shape[3]
+        if tuple(vc.shape) != (nb, Hk, D, bs):
+            fail_value(op, "value_cache", f"of shape [{nb}, {Hk}, {D}, {bs}] ([num_blocks, "
+                       "num_kv_heads, head_size, block_size])", f"shape {list(vc.shape)}")
+        if x > 1 and kc.strides[4] != 1:
+            fail_value(op, "key_cache", "contiguous in its last dimension (stride 1)",
+                       f"strides {kc.strides} (in elements)")
+        s0, s1, s2, s3, s4 = kc.strides
+        kcv = kc.view((nb, bs, Hk, D // x, x), (s0, s3, s1, s2, s4))
+        t0, t1, t2, t3 = vc.strides
+        vcv = vc.view((nb, bs, Hk, D), (t0, t3, t1, t2))
+    else:
+        if kc.ndim != 4 or tuple(kc.shape[2:]) != (Hk, D):
+            fail_value(op, "key_cache", f"4-D [num_blocks, block_size, {Hk}, {D}]",
+                       f"shape {list(kc.shape)}")
+        if tuple(vc.shape) != tuple(kc.shape):
+            fail_value(op, "value_cache", f"of shape {list(kc.shape)} like 'key_cache'",
+                       f"shape {list(vc.shape)}")
+        for name, c in (("key_cache", kc), ("value_cache", vc)):
+            if D > 1 and c.strides[3] != 1:
+                fail_value(op, name, "contiguous in its last dimension (stride 1)",
+                           f"strides {c.strides} (in elements)")
+        kcv, vcv = kc, vc
+    if kvd == "auto":
+        ks = None if k_scale is None else _scale(op, "k_scale", k_scale, like, Hk)
+        vs = None if v_scale is None else _scale(op, "v_scale", v_scale, like, Hk)
+    else:
+        for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if sc is None:
+                fail_value(op, name, f"a float32 device array for kv_cache_dtype {kv_cache_dtype!r}",
+                           "None")
+        ks = _scale(op, "k_scale", k_scale, like, Hk)
+        vs = _scale(op, "v_scale", v_scale, like, Hk)
+    C.writable(op, {"key_cache": kcv, "value_cache": vcv})
+    return kview, vview, kc, vc, kcv, vcv, s, ks, vs, kvd
+
+
+# ------------------------------------------------------------------------------ launch
+def _vector_ok(spec, q, k, v, cs, kcv, vcv, off, rot_dim, D):
+    """Whether every array allows 16-byte units (8-byte for FP8 caches): see the kernels."""
+    if spec.kind == "f32" or D % 8:
+        return False
+    if spec.rope and ((rot_dim // 2) % 8 or off % 8 or not C.vectors_ok(cs)):
+        return False
+    if not C.vectors_ok(q, k, v):
+        return False
+    if spec.cache == "none":
+        return True
+    unit = 8 if spec.kv != "auto" else 16
+    if spec.cache == "legacy":
+        return C.vectors_ok(kcv, unit=unit)
+    return C.vectors_ok(kcv, vcv, unit=unit)
+
+
+def _launch(op, spec, pv, qv, kv, vv, cs, slots, kcv, vcv, ks, vs, n_tokens, off, rot_dim, D,
+            stream, key):
+    """Layout, launch configuration and the launch: one block per token."""
+    if n_tokens == 0:
+        return
+    vec = _vector_ok(spec, qv, kv, vv, cs, kcv, vcv, off, rot_dim, D)
+    spec = dataclasses.replace(spec, layout="vector" if vec else "scalar")
+    e = rot_dim // 2 if spec.rope else 0
+    Hq = qv.shape[1] if qv is not None else 0
+    Hk = (kv if kv is not None else vv).shape[1] if (kv is not None or vv is not None) else 0
+    if vec:
+        items = (Hq + Hk) * (e // 8) + (2 * Hk * (D // 8) if spec.cache != "none" else 0)
+    else:
+        items = (Hq + Hk) * e + (2 * Hk * D if spec.cache != "none" else 0)
+    threads = L.forced_threads() or min(MAX_THREADS, max(32, -(-items // 32) * 32))
+    act = "uint32" if vec else {"bf16": "uint16", "f16": "uint16", "f32": "float32"}[spec.kind]
+    cstore = "uint8" if spec.kv != "auto" else {"bf16": "uint16", "f16": "uint16",
+                                                 "f32": "float32"}[spec.kind]
+
+    def rows3(a):
+        return L.array(a, words=vec) if a is not None else L.absent(act, 3)
+
+    kdim = 5 if spec.cache == "legacy" else 4
+    if spec.cache == "none":
+        kc_p = L.absent("uint32" if vec else cstore, kdim)
+        vc_p = L.absent("uint32" if vec else cstore, 4)
+    else:
+        kc_p = L.array(kcv, words=vec)
+        vc_p = L.array(vcv, words=vec and spec.cache == "flash")
+    if spec.rope:
+        cs_p = L.array(cs, words=vec)
+    else:
+        cs_p = L.absent("uint32" if vec else {"bf16": "uint16", "f16": "uint16",
+                                              "f32": "float32"}[spec.cs_kind], 2)
+    params = [L.array(pv) if pv is not None else L.absent("int64", 1),
+              rows3(qv), rows3(kv), rows3(vv), cs_p,
+              L.array(slots) if slots is not None else L.absent("int64", 1),
+              kc_p, vc_p,
+              L.array(ks) if ks is not None else L.absent("float32", 1),
+              L.array(vs) if vs is not None else L.absent("float32", 1),
+              L.i64(slots.shape[0] if slots is not None else 0), L.i64(off), L.i64(e), L.i64(D)]
+    like = qv if qv is not None else kv
+    L.launch(rope_cache_kernel, spec, n_tokens, threads, params, like=like, stream=stream, key=key)
+
+
+def _rope_key(tag, tensors, head_size, is_neox, off, inverse, *rest):
+    if type(is_neox) is not bool or type(inverse) is not bool:
+        return None
+    return L.key(tag, (head_size, "neox" if is_neox else "gptj", off,
+                       "inv" if inverse else "fwd", *rest), *tensors)
+
+
+# ------------------------------------------------------------------------------ the ops
+@torch_op("Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, "
+          "Tensor cos_sin_cache, bool is_neox, int rope_dim_offset=0, bool inverse=False, *, "
+          "str fma='vllm'", returns=("query", "key"))
+def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, rope_dim_offset=0,
+                     inverse=False, *, fma="vllm", stream=None):
+    """Rotary position embedding of ``query`` and ``key``, in place.
+
+    Per token ``t`` (position ``p = positions[t]``), head, and pair ``i < e = rot_dim / 2``
+    with ``c = f(cos_sin_cache[p, i])``, ``s = f(cos_sin_cache[p, e + i])`` (``-s`` when
+    ``inverse``) and the pair ``(x, y)`` -- channels ``(off + i, off + e + i)`` (NeoX,
+    ``is_neox=True``) or ``(off + 2i, off + 2i + 1)`` (GPT-J) of the head, ``off =
+    rope_dim_offset`` -- in float32::
+
+        x <- r(x*c - y*s)        y <- r(y*c + x*s)
+
+    rounded once to the activation dtype. ``fma="vllm"`` evaluates them as vLLM 0.24's compiled
+    op does on sm_90 (nvcc contracts one product of each into an FMA: ``x' = fma(x, c,
+    -r32(y*s))`` and ``y' = fma(x, s, r32(y*c))``; with ``inverse``, ``y' = fma(y, c,
+    r32(x*s))``); ``fma="none"`` rounds every product (``r32(r32(x*c) - r32(y*s))``). Channels
+    outside ``[off, off + rot_dim)`` are not touched.
+
+    Args:
+        positions: int64 ``[num_tokens]`` or ``[batch_size, seq_len]``; each in ``[0,
+            max_position)`` (not checked: that needs a device read; out of range reads garbage,
+            as vLLM).
+        query: ``[*positions.shape, num_heads * head_size]`` or ``[*positions.shape, num_heads,
+            head_size]``, bf16/fp16/fp32, last dimension contiguous, any token/head strides
+            (a slice of a fused QKV buffer). Rotated in place.
+        key: like ``query`` with ``num_kv_heads`` dividing ``num_heads``, or None. Rotated in place.
+        head_size: channels per head.
+        cos_sin_cache: ``[max_position, rot_dim]``, cos half first; the query's dtype or float32;
+            ``rot_dim`` even, ``rot_dim + rope_dim_offset <= head_size``.
+        is_neox: NeoX (rotate-half) or GPT-J (interleaved) pairs.
+        rope_dim_offset: first rotated channel of each head.  inverse: negate sin.
+        fma: ``"vllm"`` (default) or ``"none"``, see above.
+        stream: CUDA stream; default the caller's current stream.
+
+    Returns ``(query, key)``. Mutates: ``query`` and ``key``.
+
+    Raises ``LoomnbTypeError`` / ``LoomnbValueError`` naming the argument for a wrong dtype,
+    shape, stride, device or overlap, before any launch. Zero tokens is a no-op.
+
+    Matches vLLM ``torch.ops._C.rotary_embedding(positions, query, key, head_size,
+    cos_sin_cache, is_neox, rope_dim_offset, inverse)``. Differs: the key's head stride is the
+    key's own (vLLM uses the query's for both), and the cos/sin dtype is the query's or fp32
+    (vLLM's op takes any float dtype).
+    """
+    if ad.is_compiling():
+        return rotary_embedding.traced(positions=positions, query=query, key=key,
+                                       head_size=head_size, cos_sin_cache=cos_sin_cache,
+                                       is_neox=is_neox, rope_dim_offset=rope_dim_offset,
+                                       inverse=inverse, fma=fma, stream=stream)
+    k = (_rope_key("rotary_embedding", (positions, query, key, cos_sin_cache), head_size,
+                   is_neox, rope_dim_offset, inverse, fma) if stream is None else None)
+    if k is not None and L.replay(k) is not None:
+        return query, key
+    op = "loomnb.rotary_embedding"
+    p, pv, q, qv, kv, cs, D, off, rot_dim = _rope_inputs(
+        op, positions, query, key, head_size, cos_sin_cache, is_neox, rope_dim_offset, inverse, fma)
+    C.writable(op, {"query": qv, "key": kv})
+    C.no_overlap(op, {"query": qv, "key": kv}, {"positions": pv, "cos_sin_cache": cs},
+                 interleaved=True)
+    spec = RopeCacheSpec(q.kind, cs.kind, True, is_neox, inverse, FORMS[(fma, inverse)])
+    _launch(op, spec, pv, qv, kv, None, cs, None, None, None, None, None, pv.shape[0], off,
+            rot_dim, D, stream, k)
+    return query, key
+
+
+def _cache_op(op, tag, legacy, key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+              k_scale, v_scale, stream):
+    k = (L.key(tag, (kv_cache_dtype,), key, value, key_cache, value_cache, slot_mapping, k_scale,
+               v_scale) if stream is None else None)
+    if k is not None and L.replay(k) is not None:
+        return key_cache, value_cache
+    kv, vv, kc, vc, kcv, vcv, s, ks, vs, kvd = _kv_inputs(
+        op, key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
+        legacy=legacy)
+    C.no_overlap(op, {"key_cache": kcv, "value_cache": vcv},
+                 {"key": kv, "value": vv, "slot_mapping": s, "k_scale": ks, "v_scale": vs},
+                 interleaved=True)
+    spec = RopeCacheSpec(kv.kind, kv.kind, False, True, False, "nn",
+                         "legacy" if legacy else "flash", kvd)
+    _launch(op, spec, None, None, kv, vv, None, s, kcv, vcv, ks, vs, s.shape[0], 0, 0,
+            kv.shape[2], stream, k)
+    return key_cache, value_cache
+
+
+@torch_op("Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+          "Tensor slot_mapping, str kv_cache_dtype, Tensor? k_scale, Tensor? v_scale",
+          returns=("key_cache", "value_cache"))
+def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                            k_scale, v_scale, *, stream=None):
+    """Write each token's key and value to its cache slot (vLLM's flash layouts).
+
+    For ``t < num_tokens = slot_mapping.shape[0]`` with ``slot = slot_mapping[t] >= 0``,
+    ``block, offset = slot // block_size, slot % block_size``::
+
+        key_cache[block, offset, h, d] = cv(key[t, h, d], k_scale[h])   (value likewise)
+
+    ``cv`` copies the bits (``kv_cache_dtype="auto"``) or stores ``fp8(f(x) / scale)`` --
+    an IEEE float32 division, then round to nearest even, saturating (E4M3 +-448, E5M2
+    +-57344; infinities too), NaN kept (0x7F), the sign of zero kept. Units: stored = real /
+    scale. A negative slot (padding, ``PAD_SLOT_ID = -1``) writes nothing.
+
+    Args:
+        key, value: ``[num_tokens_padded, num_kv_heads, head_size]`` bf16/fp16/fp32, last
+            dimension contiguous, any token/head strides; may carry more tokens than
+            ``slot_mapping`` (CUDA-graph padding), which are ignored.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]`` views
+            with any strides and a contiguous last dimension: NHD, HND, interleaved or split
+            (``loomnb.layouts.kv_views``). dtype: key's for ``"auto"``, else ``uint8`` or
+            ``float8_e4m3fn`` / ``float8_e5m2``.
+        slot_mapping: int64 ``[num_tokens]``; slots below ``num_blocks * block_size`` (not
+            checked: a device read).
+        kv_cache_dtype: ``"auto"``, ``"fp8"`` (= ``"fp8_e4m3"``), ``"fp8_e4m3"``, ``"fp8_e5m2"``.
+        k_scale, v_scale: float32 device arrays of shape ``[1]`` or ``[num_kv_heads]``; ignored
+            (may be None) for ``"auto"``. Not range-checked (a device read): a zero scale
+            saturates, as vLLM.
+        stream: CUDA stream; default the caller's current stream.
+
+    Returns ``(key_cache, value_cache)``. Mutates: ``key_cache`` and ``value_cache`` (the slots
+    of ``slot_mapping`` only). Raises ``LoomnbTypeError`` / ``LoomnbValueError`` before any
+    launch; zero tokens is a no-op.
+
+    Matches vLLM ``torch.ops._C_cache_ops.reshape_and_cache_flash(key, value, key_cache,
+    value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)``; loomnb also accepts a
+    per-head ``[num_kv_heads]`` scale.
+    """
+    if ad.is_compiling():
+        return reshape_and_cache_flash.traced(
+            key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+            slot_mapping=slot_mapping, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
+            v_scale=v_scale, stream=stream)
+    return _cache_op("loomnb.reshape_and_cache_flash", "reshape_and_cache_flash", False, key,
+                     value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale,
+                     v_scale, stream)
+
+
+@torch_op("Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+          "Tensor slot_mapping, str kv_cache_dtype, Tensor? k_scale, Tensor? v_scale",
+          returns=("key_cache", "value_cache"))
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale,
+                      v_scale, *, stream=None):
+    """:func:`reshape_and_cache_flash` for the legacy paged-attention layout: ``key_cache
+    [num_blocks, num_kv_heads, head_size // x, block_size, x]`` (``x = 16 // cache element
+    size``: 8 for bf16/fp16, 16 for FP8, 4 for fp32) and ``value_cache [num_blocks,
+    num_kv_heads, head_size, block_size]``, any strides (the key's last dimension contiguous)::
+
+        key_cache[block, h, d // x, offset, d % x] = cv(key[t, h, d], k_scale[h])
+        value_cache[block, h, d, offset]           = cv(value[t, h, d], v_scale[h])
+
+    Arguments, conversion, returns, mutation and errors as :func:`reshape_and_cache_flash`.
+    Matches vLLM ``torch.ops._C_cache_ops.reshape_and_cache`` (which assumes contiguous caches).
+    """
+    if ad.is_compiling():
+        return reshape_and_cache.traced(
+            key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+            slot_mapping=slot_mapping, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
+            v_scale=v_scale, stream=stream)
+    return _cache_op("loomnb.reshape_and_cache", "reshape_and_cache", True, key, value,
+                     key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
+                     stream)
+
+
+@torch_op("Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor value, "
+          "Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, int head_size, "
+          "Tensor cos_sin_cache, bool is_neox, str kv_cache_dtype='auto', Tensor? k_scale=None, "
+          "Tensor? v_scale=None, *, int rope_dim_offset=0",
+          returns=("query", "key", "key_cache", "value_cache"))
+def rotary_embedding_and_cache(positions, query, key, value, key_cache, value_cache,
+                               slot_mapping, head_size, cos_sin_cache, is_neox,
+                               kv_cache_dtype="auto", k_scale=None, v_scale=None, *,
+                               rope_dim_offset=0, stream=None):
+    """:func:`rotary_embedding` of ``query`` and ``key`` then the cache write of the rotated
+    key and ``value`` (:func:`reshape_and_cache_flash`, or :func:`reshape_and_cache` when
+    ``key_cache`` is the 5-D legacy key), in **one launch**; bit-identical to the two ops in
+    sequence (``fma="vllm"``, ``inverse=False``).
+
+    All ``positions.numel()`` tokens are rotated; the first ``slot_mapping.shape[0]`` of them
+    are cached (slots < 0 skipped). The cached key is the rotated key as stored (rounded to
+    the activation dtype), converted as ``kv_cache_dtype`` says.
+
+    Args: as the two ops; ``value`` is ``[num_tokens, num_kv_heads * head_size]`` or
+    ``[num_tokens, num_kv_heads, head_size]``; ``cos_sin_cache`` has the query's dtype (vLLM's
+    rotary layer casts it so); ``rope_dim_offset`` keyword-only.
+
+    Returns ``(query, key, key_cache, value_cache)``. Mutates: ``query``, ``key`` (rotated) and
+    the caches (the slots of ``slot_mapping``). Raises as the two ops, before any launch.
+
+    Matches vLLM 0.24's ``rotary_embedding`` + ``reshape_and_cache_flash`` (two launches);
+    FlashInfer's ``apply_rope_with_cos_sin_cache_inplace`` + ``append_paged_kv_cache``.
+    """
+    if ad.is_compiling():
+        return rotary_embedding_and_cache.traced(
+            positions=positions, query=query, key=key, value=value, key_cache=key_cache,
+            value_cache=value_cache, slot_mapping=slot_mapping, head_size=head_size,
+            cos_sin_cache=cos_sin_cache, is_neox=is_neox, kv_cache_dtype=kv_cache_dtype,
+            k_scale=k_scale, v_scale=v_scale, rope_dim_offset=rope_dim_offset, stream=stream)
+    k = (_rope_key("rotary_embedding_and_cache",
+                   (positions, query, key, value, key_cache, value_cache, slot_mapping,
+                    cos_sin_cache, k_scale, v_scale), head_size, is_neox, rope_dim_offset, False,
+                   kv_cache_dtype) if stream is None else None)
+    if k is not None and L.replay(k) is not None:
+        return query, key, key_cache, value_cache
+    op = "loomnb.rotary_embedding_and_cache"
+    if key is None:
+        fail_value(op, "key", "an array (the fused op caches it)", "None")
+    p, pv, q, qv, kv, cs, D, off, rot_dim = _rope_inputs(
+        op, positions, query, key, head_size, cos_sin_cache, is_neox, rope_dim_offset, False,
+        "vllm", cs_kinds=None)
+    check_same_kind(op, "cos_sin_cache", cs, "query", q)
+    kc_obj = ad.wrap(op, "key_cache", key_cache)
+    legacy = kc_obj.ndim == 5
+    v = ad.wrap(op, "value", value)
+    vv = _heads(op, "value", v, (qv.shape[0],), D, "[num_tokens, ...]") if v.ndim in (2, 3) else None
+    if vv is None:
+        fail_value(op, "value", "[num_tokens, num_kv_heads * head_size] or [num_tokens, "
+                   "num_kv_heads, head_size]", f"shape {list(v.shape)}")
+    check_same_kind(op, "value", v, "key", q)
+    check_same_device(op, "value", v, "key", q)
+    _, vv, kc, vc, kcv, vcv, s, ks, vs, kvd = _kv_inputs(
+        op, key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
+        legacy=legacy, like=q, kview=kv, vview=vv)
+    C.writable(op, {"query": qv, "key": kv})
+    C.no_overlap(op, {"query": qv, "key": kv, "key_cache": kcv, "value_cache": vcv},
+                 {"positions": pv, "value": vv, "cos_sin_cache": cs, "slot_mapping": s,
+                  "k_scale": ks, "v_scale": vs}, interleaved=True)
+    spec = RopeCacheSpec(q.kind, cs.kind, True, is_neox, False, FORMS[("vllm", False)],
+                         "legacy" if legacy else "flash", kvd)
+    _launch(op, spec, pv, qv, kv, vv, cs, s, kcv, vcv, ks, vs, pv.shape[0], off, rot_dim, D,
+            stream, k)
+    return query, key, key_cache, value_cache
