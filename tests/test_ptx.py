@@ -40,7 +40,44 @@ def _norm_checks(spec, ptx):
         assert "div.u32" in ptx or "rem.u32" in ptx, "per-head rows split the row index"
 
 
-FAMILY_CHECKS = {"_norm_kernels": _norm_checks}
+def _sampling_checks(spec, ptx):
+    assert "shfl.sync.bfly.b32" in ptx
+    if spec.layout == "vec":
+        assert "ld.v4.u32" in ptx or "ld.v4.f32" in ptx, "16-byte loads"
+    if hasattr(spec, "phase"):  # Min-P
+        if spec.phase == "mask" and spec.layout == "vec":
+            assert "st.v4.u32" in ptx
+        if spec.phase == "mask" and spec.sampler == "v1":
+            assert "div.rn.f32" in ptx, "p = e / S is an IEEE division"
+    else:
+        assert "atom.inc.u32" in ptx and "membar.gl" in ptx, "last-block-done: a fence, then atomicInc"
+
+
+def _activation_checks(spec, ptx):
+    if type(spec).__name__ == "DequantSpec":
+        return
+    if spec.layout == "vector":
+        assert "ld.v4.u32" in ptx, "16-byte loads"
+        if spec.quant != "amax":
+            assert ("st.v4.u32" if spec.quant == "none" else "st.v2.u32") in ptx, "vector stores"
+    if spec.act in ("silu", "mul_silu", "swigluoai"):
+        assert "ex2.approx" in ptx, "libdevice expf"
+        assert "div.approx" not in ptx and "div.full" not in ptx and "div.rn.f32" in ptx, "IEEE division"
+    if spec.act != "none" and spec.numerics == "unfused" and spec.kind != "f32":
+        assert ("cvt.rn.bf16x2.f32" if spec.kind == "bf16" else "cvt.rn.f16x2.f32") in ptx, "r()"
+    if spec.quant not in ("none", "amax"):
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    if spec.quant == "group":
+        assert "shfl.sync.bfly.b32" in ptx, "group amax over 8 or 16 lanes"
+        assert "bar.sync" not in ptx, "group quant needs no block barrier"
+        assert ("cvt.rpi.f32.f32" in ptx) == spec.ue8m0, "UE8M0: ceilf of libdevice log2f"
+    if spec.quant in ("token", "tensor", "amax"):
+        assert "bar.sync" in ptx and "shfl.sync.bfly.b32" in ptx, "block reduction"
+    if spec.quant in ("token", "group"):
+        assert "div.rn.f32" in ptx, "per-token/group quant divide (IEEE, via div_rn)"
+
+
+FAMILY_CHECKS = {"_norm_kernels": _norm_checks, "_sampling_kernels": _sampling_checks, "_activation_kernels": _activation_checks}
 
 
 def test_every_family_declares_variants():

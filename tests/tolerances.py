@@ -16,6 +16,48 @@ TOL = {
     ("norm", "f32"): (1, 1e-4, "same"),
     ("norm_fp8", "fp8"): (1, 1e-4, "same, one FP8 code step"),
     ("residual", "any"): (0, 0.0, "r(x + residual) is elementwise: bit-exact"),
+    # sampling: logprob = r32(r32(x - m) - L) is the oracle's own rounding order; only
+    # L = r32(log S) differs: the kernels sum expf terms (libdevice, <= 2 ulp each) in float64,
+    # the oracle exact float64 exps, so S differs by < 2^-22 relative and L by at most 2 ulps
+    # (ulp(L) <= ulp(logprob) since |logprob| >= L). Token ids, indices and ranks are exact.
+    ("sampling_logprob", "f32"): (2, 1.0, "L from expf terms: <= 2 ulps of L, hence of the logprob"),
+    # attention (decode and split merge): a reduction over the context with exp, so the rows
+    # read (0, atol_rel, reason): the output must equal the float64 oracle's value correctly
+    # rounded to the dtype, up to an absolute error of atol_rel * max|V| (the largest visible
+    # value of the sequence). Budget: float32 dot products over head_size <= 256 (exact bf16
+    # products, sums off by ~sqrt(D) * 2^-24 * |z|), ex2.approx (2^-22 relative per weight),
+    # libdevice tanhf for the softcap, float32 sums in chains of <= ~L / 16 tokens and the
+    # split merge: ~1e-6 * max|V| typical, 1e-5 worst; a token missed at 16384 tokens moves
+    # some output of a 32-head batch by ~1e-3 * max|V|.
+    ("attention", "bf16"): (0, 2.0 ** -15, "decode: correctly rounded float64 value + 2^-15 * max|V|"),
+    ("attention", "f16"): (0, 2.0 ** -15, "same"),
+    ("attention", "f32"): (0, 2.0 ** -15, "same (fp32 outputs: the absolute term dominates)"),
+    # the LSE (float32, natural log): |got - exact| <= atol_rel * (1 + |exact|): the same score
+    # and sum errors, ~1e-6 absolute at |lse| ~ 10
+    ("attention_lse", "f32"): (0, 2.0 ** -16, "decode LSE: 2^-16 * (1 + |lse|)"),
+    # merge_attn_states: expf/logf (<= 2 ulps), one division, one fmaf: the output is the
+    # float64 value correctly rounded up to 2^-20 * (|prefix_output| + |suffix_output|), the
+    # LSE up to 2^-20 * (1 + |lse|); rows with both LSEs -inf are prefix_output bit for bit
+    ("attention_merge", "any"): (0, 2.0 ** -20, "merge: correctly rounded + 2^-20 * (|p_out| + |s_out|)"),
+
+    # activation (GPU vs oracle; the simulator equals the oracle bit for bit): the kernels call
+    # libdevice expf/erff/tanhf -- what vLLM's and torch's CUDA kernels call, and the GPU tests
+    # compare with torch eager bit for bit -- which are within 2 ulps of the oracle's correctly
+    # rounded float32. bf16/fp16: an element moves one ulp where that error crosses a rounding
+    # boundary of r(act) or of the product (~1e-4 of bf16 elements, ~1e-3 of fp16); fp32: any
+    # element may carry it (<= ~3 ulps through silu, the division and the product). GELU: 1 + erf(g)
+    # and 1 + tanh(.) cancel for g < 0; the GPU tests draw g in [-2, 2], where that amplifies the
+    # 2 ulps at most ~20x (fp32 <= 64 ulps; bf16/fp16 still one-ulp flips, more of them).
+    ("activation", "bf16"): (1, 1e-3, "libdevice expf vs correctly rounded: rare one-ulp flips"),
+    ("activation", "f16"): (1, 5e-3, "same, 3 more mantissa bits: more flips"),
+    ("activation", "f32"): (8, 1.0, "libdevice expf (<= 2 ulps) through the division and product"),
+    ("activation_gelu", "bf16"): (1, 1e-2, "erff/tanhf <= 2 ulps, 1 + erf cancellation (g in [-2, 2])"),
+    ("activation_gelu", "f16"): (1, 3e-2, "same"),
+    ("activation_gelu", "f32"): (64, 1.0, "same, amplified <= ~20x by the cancellation"),
+    # fused SiLU + FP8 on the GPU vs the oracle: a one-ulp activation flip moves its code one
+    # step -- or, when it is its group's amax, the group's scale by one bf16 ulp and any code of
+    # the group one step. (Fused vs unfused loomnb on the GPU is compared bit for bit.)
+    ("activation_fp8", "fp8"): (1, 1e-2, "activation flips, and the scales of groups whose amax flips"),
 }
 
 # relative tolerance of the per-token FP8 scale: amax/448 of values that are bit-exact but for

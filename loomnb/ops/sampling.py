@@ -1,0 +1,499 @@
+"""The logprob tail and Min-P: ``greedy_sample_logprob``, ``selected_token_logprob_rank``,
+``top_k_logprobs`` and ``min_p_filter_``, each for either of vLLM 0.24's samplers.
+
+vLLM 0.24 has two samplers. ``sampler="v1"`` (``vllm/v1/sample/``; Qwen2.5, speculative
+decoding) takes ``log_softmax`` of the fp32 logits and ranks a token by counting logprobs
+``>=`` its own; its Min-P works on probabilities. ``sampler="v2"`` (Model Runner V2,
+``vllm/v1/worker/gpu/sample/``; the default for Llama-architecture models such as SmolLM2)
+ranks on the raw logits, counts the lanes past the vocabulary that its 8192-wide blocks load as
+``-inf``, and applies Min-P in logit space. ``docs/numerics.md`` has the family's numerics.
+
+With ``m`` the row's largest non-NaN logit and ``L = r32(log(sum_v exp(x_v - m)))`` (the sum
+accumulated in float64, ``exp`` in float32), a token's logprob is ``r32(r32(x_t - m) - L)`` --
+the fp32 order of operations of torch's ``log_softmax`` and of V2's Triton kernel; the float64
+sum makes ``L`` independent of the launch configuration (vLLM sums in fp32, so its last bits
+depend on the reduction order: ulp-level differences, see ``tests/tolerances.py``).
+
+Bytes moved: every op reads each row of logits once (``R * V * b``, ``b`` = 4 fp32, 2 bf16)
+and writes a few values per row; the greedy/given-token tie check may read a row a second time
+when two distinct logits round to the same logprob (rare: it needs a value within half an ulp
+of ``L`` of the token's). ``min_p_filter_`` reads each row twice and writes the masked
+elements. Many thread blocks share a row when rows are few (``launch_config``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+
+from .. import _adapter as ad
+from ..checks import check_kind, check_ndim, check_same_device, check_shape
+from . import _contract as C
+from . import _launch as L
+from ._sampling_kernels import (MAX_LOGPROBS, NF, NI, SAMPLERS, UNIT, LogprobSpec, MinPSpec,
+                                logprob_kernel, min_p_kernel)
+from ._torch_ops import torch_op
+
+__all__ = ["greedy_sample_logprob", "selected_token_logprob_rank", "top_k_logprobs",
+           "min_p_filter_"]
+
+LOGITS_KINDS = ("f32", "bf16")
+THREADS = 512            # threads per block (fewer when a block's share of a row is small)
+UNITS_PER_THREAD = 4     # 16-byte units a thread reads at least, before a row is split further
+BLOCKS_PER_SM = 2        # target: about two blocks per SM in flight (one wave)
+MAX_RECORDS = 4096       # workspace records (num_rows * splits) and counters (rows)
+V2_BLOCK = 8192          # V2's rank kernel loads 8192-wide blocks, padding with -inf
+
+
+def v2_pad(vocab_size):
+    """Lanes past the vocabulary that V2's rank kernel counts for a ``-inf`` token:
+    ``ceil(V / 8192) * 8192 - V``."""
+    return -(-vocab_size // V2_BLOCK) * V2_BLOCK - vocab_size
+
+
+def launch_config(num_rows, vocab_size, unit, num_sms, threads=None, splits=None):
+    """(threads per block, blocks per row ``splits``, elements per block ``chunk``).
+
+    Each block reads ``chunk`` elements of one row (a multiple of ``unit``, the values of a
+    16-byte unit). Rows are split until there are about ``BLOCKS_PER_SM * num_sms`` blocks
+    (one wave: few rows are latency-bound, so spread them over the whole GPU), but never below
+    a warp's worth of ``UNITS_PER_THREAD`` units a block, and never past ``MAX_RECORDS``
+    records; threads are ``THREADS`` or fewer for short chunks (a multiple of 32). E.g. an H200
+    (132 SMs), V = 151,936 fp32: 1 row -> 264 blocks of 64 threads, 32 rows -> 8 x 512, 512
+    rows -> 1 x 512. ``threads``/``splits`` force a configuration (tests).
+    """
+    ceil32 = lambda n: max(32, -(-n // 32) * 32)  # noqa: E731
+    units = -(-vocab_size // unit)
+    rows = max(num_rows, 1)
+    if splits is None:
+        want = max(1, round(BLOCKS_PER_SM * num_sms / rows))
+        splits = max(1, min(want, units // (32 * UNITS_PER_THREAD), MAX_RECORDS // rows))
+    splits = max(1, min(splits, units, MAX_RECORDS // rows))
+    chunk_units = -(-units // splits)
+    splits = -(-units // chunk_units)  # no empty block
+    if threads is None:
+        threads = min(THREADS, ceil32(-(-chunk_units // UNITS_PER_THREAD)))
+    return threads, splits, chunk_units * unit
+
+
+_forced_splits = None
+
+
+@contextlib.contextmanager
+def force_splits(n):
+    """Test hook: every launch of this family splits each row into ``n`` blocks (as far as the
+    vocabulary allows). Clears the fast-path cache."""
+    global _forced_splits
+    old, _forced_splits = _forced_splits, n
+    L.clear_launch_cache()
+    try:
+        yield
+    finally:
+        _forced_splits = old
+        L.clear_launch_cache()
+
+
+# ---------------------------------------------------------------- workspace
+_workspaces = {}  # (library, device, stream handle) -> (ws_f, ws_i, counters) Arrs
+_num_sms = {}
+
+
+class _Workspace:
+    __slots__ = ("f", "i", "counters")
+
+
+def _workspace(like, stream):
+    """Per-split records and per-row counters, one set per (device, stream): launches on one
+    stream are ordered, so they may share it; the last block of each row leaves its counter at
+    0 (``atomicInc`` wraps), so it is zero at every launch, CUDA-graph replays included. Made
+    once (zeroed), never freed: a captured graph keeps pointing at it."""
+    handle = 0 if like.lib == "numpy" else ad.stream_handle(like, stream)
+    key = (like.lib, like.device, handle)
+    ws = _workspaces.get(key)
+    if ws is None:
+        ws = _Workspace()
+        ws.f = _zeros(like, (MAX_RECORDS, NF), "float64")
+        ws.i = _zeros(like, (MAX_RECORDS, NI), "int64")
+        ws.counters = _zeros(like, (MAX_RECORDS,), "int32")  # read as uint32 by the kernel
+        _workspaces[key] = ws
+    return ws
+
+
+def _zeros(like, shape, dtype):
+    """A zeroed buffer on ``like``'s device, in its library (a torch allocation made while a
+    CUDA graph is being captured is captured with its zeroing, which re-zeroes on replay:
+    harmless)."""
+    import numpy as np
+    if like.lib == "torch":
+        with ad.device_guard(like):
+            return ad._torch.zeros(shape, dtype=getattr(ad._torch, dtype), device=like.obj.device)
+    if like.lib == "numpy":
+        return np.zeros(shape, dtype)
+    from numba import cuda
+    with cuda.gpus[like.device]:
+        return cuda.to_device(np.zeros(shape, dtype))
+
+
+def _ws_param(obj, storage, like):
+    """A kernel parameter over workspace buffer ``obj`` (on ``like``'s device) seen as
+    ``storage`` elements."""
+    import numpy as np
+    if isinstance(obj, np.ndarray):
+        strides = tuple(s // obj.itemsize for s in obj.strides)
+        ptr = obj.__array_interface__["data"][0]
+    elif ad._torch is not None and isinstance(obj, ad._torch.Tensor):
+        strides, ptr = obj.stride(), obj.data_ptr()
+    else:  # a numba device array (C-contiguous)
+        ptr = obj.__cuda_array_interface__["data"][0]
+        strides = tuple(s // obj.dtype.itemsize for s in obj.strides)
+    arr = ad.Arr(obj, like.lib, None, str(obj.dtype), obj.shape, strides, ptr, like.device)
+    return L.ArrayParam(arr, ptr, obj.shape, strides, storage)
+
+
+def _sms(like):
+    n = _num_sms.get((like.lib, like.device))
+    if n is None:
+        if like.lib == "torch":
+            n = ad._torch.cuda.get_device_properties(like.device).multi_processor_count
+        elif like.lib == "numpy":
+            n = 4  # the simulator: any small number
+        else:
+            from numba import cuda
+            with cuda.gpus[like.device]:
+                n = cuda.get_current_device().MULTIPROCESSOR_COUNT
+        _num_sms[(like.lib, like.device)] = n
+    return n
+
+
+def _stream_key(x, stream):
+    """The current stream's handle for the fast-path key (a workspace is per stream), or None
+    when the call cannot take the fast path."""
+    torch = ad._torch
+    if stream is not None or torch is None or not isinstance(x, torch.Tensor) or not x.is_cuda:
+        return None
+    return torch._C._cuda_getCurrentRawStream(x.get_device())
+
+
+# ---------------------------------------------------------------- checks
+def _logits(op, obj, kinds=LOGITS_KINDS):
+    la = ad.wrap(op, "logits", obj)
+    check_kind(op, "logits", la, kinds)
+    check_ndim(op, "logits", la, 2)
+    if la.shape[1] < 1:
+        C.fail_value(op, "logits", "of shape [num_rows, vocab_size] with vocab_size >= 1",
+                     f"shape {list(la.shape)}")
+    if la.shape[0] > 0 and la.shape[1] > 1 and la.strides[1] != 1:
+        C.fail_value(op, "logits", "contiguous in its last dimension (stride 1)",
+                     f"strides {la.strides} (in elements)")
+    return la
+
+
+def _token_ids(op, obj, la):
+    ta = ad.wrap(op, "token_ids", obj)
+    check_kind(op, "token_ids", ta, ("i64",))
+    check_shape(op, "token_ids", ta, (la.shape[0],), "[num_rows]")
+    check_same_device(op, "token_ids", ta, "logits", la)
+    return ta
+
+
+def _sampler(op, sampler):
+    return C.choice(op, "sampler", sampler, SAMPLERS)
+
+
+def _k(op, k, vocab_size):
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+        C.fail_type(op, "k", "an int", repr(k))
+    k = int(k)
+    if not 0 <= k <= MAX_LOGPROBS:
+        C.fail_value(op, "k", f"0 <= k <= {MAX_LOGPROBS} (vLLM's max_logprobs)", repr(k))
+    if k > vocab_size:
+        C.fail_value(op, "k", f"at most vocab_size ({vocab_size})", repr(k))
+    return k
+
+
+def _out(op, name, obj, la, kind, shape):
+    return C.output(op, name, obj, like=la, kind=kind, shape=shape, like_name="logits")
+
+
+# ---------------------------------------------------------------- the launch
+def _launch_logprob(op, spec, la, ta, tok, idx, lp, rank, k, stream, key):
+    R, V = la.shape
+    if R == 0:
+        return
+    unit = UNIT[spec.kind]
+    vec = C.vectors_ok(la)
+    threads, splits, chunk = launch_config(R, V, unit, _sms(la), L.forced_threads(), _forced_splits)
+    if splits > 1:
+        assert R * splits <= MAX_RECORDS
+    spec = LogprobSpec(spec.kind, spec.sampler, spec.given, spec.topk, "vec" if vec else "scalar")
+    ws = _workspace(la, stream)
+    lp_view = lp if lp.ndim == 2 else lp.view((R, 1), (lp.strides[0], 1))
+    params = [L.array(la, words=vec),
+              L.array(ta) if ta is not None else L.absent("int64", 1),
+              L.array(tok) if tok is not None else L.absent("int64", 1),
+              L.array(idx) if idx is not None else L.absent("int32", 2),
+              L.array(lp_view), L.array(rank),
+              _ws_param(ws.f, "float64", la), _ws_param(ws.i, "int64", la),
+              _ws_param(ws.counters, "uint32", la),
+              L.i64(V), L.i64(splits), L.i64(chunk), L.i64(k), L.i64(v2_pad(V))]
+    L.launch(logprob_kernel, spec, R * splits, threads, params, like=la, stream=stream, key=key)
+
+
+def _fake_greedy(logits, *_, **__):
+    r = logits.shape[0]
+    return (logits.new_empty((r,), dtype=ad._torch.int64),
+            logits.new_empty((r,), dtype=ad._torch.float32),
+            logits.new_empty((r,), dtype=ad._torch.int64))
+
+
+def _fake_selected(logits, *_, **__):
+    r = logits.shape[0]
+    return (logits.new_empty((r,), dtype=ad._torch.float32),
+            logits.new_empty((r,), dtype=ad._torch.int64))
+
+
+def _fake_top_k(logits, k, *_, **__):
+    r = logits.shape[0]
+    return (logits.new_empty((r, k + 1), dtype=ad._torch.int32),
+            logits.new_empty((r, k + 1), dtype=ad._torch.float32),
+            logits.new_empty((r,), dtype=ad._torch.int64))
+
+
+_RAISES = """Raises ``LoomnbTypeError`` (a ``TypeError``) for a wrong dtype or a host/unknown
+    array, ``LoomnbValueError`` (a ``ValueError``) for shapes, layout, devices, overlapping or
+    read-only outputs and unknown options -- before any launch. Zero rows is a no-op."""
+
+
+# ---------------------------------------------------------------------------------------------
+@torch_op("Tensor logits, str sampler='v1'", outputs=("token_ids", "logprobs", "ranks"),
+          fake=_fake_greedy)
+def greedy_sample_logprob(logits, sampler="v1", *, token_ids=None, logprobs=None, ranks=None,
+                          stream=None):
+    """Greedy sampling with the sampled token's logprob and rank, in one pass over each row.
+
+    ``token_ids[r] = argmax_v logits[r, v]`` (the lowest index among equal maxima; a NaN counts
+    as the largest, as ``torch.argmax``); ``logprobs[r] = r32(r32(x_t - m) - L)`` with ``m``
+    the row's largest non-NaN logit and ``L = r32(log(sum_v exp(x_v - m)))``; ``ranks[r]`` is
+    1-based with ties counting against the token:
+
+    * ``sampler="v1"``: ``#{v : logprob_v >= logprob_t}`` on the fp32 logprob vector (so
+      distinct logits whose logprobs round equal are ties);
+    * ``sampler="v2"``: ``#{v : x_v >= x_t}`` on the raw logits.
+
+    NaN and infinities (both samplers, as vLLM): a row with a NaN gives the first NaN's index,
+    logprob NaN, rank 0; a row with ``+inf`` gives the first ``+inf``'s index and logprob NaN
+    (V1 rank 0; V2 rank = the number of ``+inf``); a row of ``-inf`` gives token 0, logprob NaN
+    and rank 0 (V1) or ``ceil(V / 8192) * 8192`` (V2, whose rank kernel pads with ``-inf``).
+
+    Args:
+        logits: ``[num_rows, vocab_size]`` fp32 or bf16 (widened exactly), last dimension
+            contiguous, any row stride. Not modified.
+        sampler: ``"v1"`` (default) or ``"v2"``.
+        token_ids, logprobs, ranks: optional outputs ``[num_rows]`` int64 / fp32 / int64;
+            allocated when None.
+        stream: CUDA stream; default the caller's current stream.
+
+    Returns ``(token_ids, logprobs, ranks)``. Mutates only the outputs.
+
+    {raises}
+
+    Matches vLLM 0.24's greedy path with ``logprobs=0`` (raw logprobs, no logits processors):
+    V1 ``Sampler.forward`` (``argmax``, ``log_softmax``, ``gather_logprobs``), V2
+    ``gumbel_sample`` at temperature 0 and ``compute_topk_logprobs`` (``_ranks_kernel``).
+    vLLM returns ``sampled_token_ids`` as int32 ``[num_rows, 1]``; loomnb int64 ``[num_rows]``
+    (what ``gather_logprobs`` takes). ``L`` differs from vLLM's fp32 sums by ulps.
+    """
+    if ad.is_compiling():
+        return greedy_sample_logprob.traced(logits=logits, sampler=sampler, token_ids=token_ids,
+                                            logprobs=logprobs, ranks=ranks, stream=stream)
+    h = _stream_key(logits, stream)
+    k = L.key("greedy_sample_logprob", (sampler, h), logits, token_ids, logprobs, ranks) \
+        if h is not None else None
+    if k is not None and (hit := L.replay(k)) is not None:
+        return L.fill(hit, token_ids, logprobs, ranks)
+    op = "loomnb.greedy_sample_logprob"
+    la = _logits(op, logits)
+    _sampler(op, sampler)
+    R = la.shape[0]
+    tok = _out(op, "token_ids", token_ids, la, "i64", (R,))
+    lp = _out(op, "logprobs", logprobs, la, "f32", (R,))
+    rk = _out(op, "ranks", ranks, la, "i64", (R,))
+    C.no_overlap(op, {"token_ids": tok, "logprobs": lp, "ranks": rk}, {"logits": la})
+    _launch_logprob(op, LogprobSpec(la.kind, sampler), la, None, tok, None, lp, rk, 0, stream, k)
+    return tok.obj, lp.obj, rk.obj
+
+
+@torch_op("Tensor logits, Tensor token_ids, str sampler='v1'", outputs=("logprobs", "ranks"),
+          fake=_fake_selected)
+def selected_token_logprob_rank(logits, token_ids, sampler="v1", *, logprobs=None, ranks=None,
+                                stream=None):
+    """Logprob and rank of tokens sampled elsewhere (top-k/top-p, FlashInfer), one pass a row.
+
+    ``logprobs[r] = r32(r32(x_t - m) - L)`` for ``t = token_ids[r]`` and ``ranks[r]`` as
+    :func:`greedy_sample_logprob` (V1: ``#{logprob_v >= logprob_t}``; V2: ``#{x_v >= x_t}``,
+    plus ``ceil(V / 8192) * 8192 - V`` padding lanes when ``x_t = -inf``). A NaN anywhere in a
+    row makes its logprob NaN (and V1's rank 0); a NaN token has rank 0 under both samplers;
+    a ``-inf`` token has logprob ``-inf`` and rank V (V1) or ``ceil(V / 8192) * 8192`` (V2).
+
+    Args:
+        logits: ``[num_rows, vocab_size]`` fp32 or bf16, last dimension contiguous. Not modified.
+        token_ids: ``[num_rows]`` int64 (vLLM casts FlashInfer's int32 to int64 before its
+            gather; loomnb takes int64 only). Ids outside ``[0, vocab_size)`` cannot be checked
+            without reading the device: they give logprob NaN and rank 0 (vLLM's gather would
+            fault).
+        sampler: ``"v1"`` (default) or ``"v2"``.
+        logprobs, ranks: optional outputs ``[num_rows]`` fp32 / int64; allocated when None.
+        stream: CUDA stream; default the caller's current stream.
+
+    Returns ``(logprobs, ranks)``. Mutates only the outputs.
+
+    {raises}
+
+    Matches V1 ``Sampler.gather_logprobs(log_softmax(logits), 0, token_ids)`` and V2
+    ``compute_topk_logprobs(logits, 0, token_ids)``.
+    """
+    if ad.is_compiling():
+        return selected_token_logprob_rank.traced(logits=logits, token_ids=token_ids,
+                                                  sampler=sampler, logprobs=logprobs,
+                                                  ranks=ranks, stream=stream)
+    h = _stream_key(logits, stream)
+    k = L.key("selected_token_logprob_rank", (sampler, h), logits, token_ids, logprobs, ranks) \
+        if h is not None else None
+    if k is not None and (hit := L.replay(k)) is not None:
+        return L.fill(hit, logprobs, ranks)
+    op = "loomnb.selected_token_logprob_rank"
+    la = _logits(op, logits)
+    ta = _token_ids(op, token_ids, la)
+    _sampler(op, sampler)
+    R = la.shape[0]
+    lp = _out(op, "logprobs", logprobs, la, "f32", (R,))
+    rk = _out(op, "ranks", ranks, la, "i64", (R,))
+    C.no_overlap(op, {"logprobs": lp, "ranks": rk}, {"logits": la, "token_ids": ta})
+    _launch_logprob(op, LogprobSpec(la.kind, sampler, given=True), la, ta, None, None, lp, rk, 0,
+                    stream, k)
+    return lp.obj, rk.obj
+
+
+@torch_op("Tensor logits, int k, Tensor? token_ids=None, str sampler='v1'",
+          outputs=("indices", "logprobs", "ranks"), fake=_fake_top_k)
+def top_k_logprobs(logits, k, token_ids=None, sampler="v1", *, indices=None, logprobs=None,
+                   ranks=None, stream=None):
+    """vLLM's ``LogprobsTensors`` for ``logprobs=k``: the sampled token and the ``k`` most
+    likely tokens of each row, their logprobs, and the sampled token's rank.
+
+    Column 0 is ``token_ids[r]`` (the greedy argmax of :func:`greedy_sample_logprob` when
+    ``token_ids`` is None); columns ``1..k`` are the ``k`` best tokens in this order: NaN
+    logits first, then larger logits, then lower indices (so logprobs never increase along a
+    row, and equal logprobs come in decreasing-logit, then increasing-index order; vLLM's
+    ``torch.topk`` leaves the order of equal values unspecified). Every logprob is
+    ``r32(r32(x - m) - L)``; ``ranks`` is column 0's rank under ``sampler``, as
+    :func:`greedy_sample_logprob`/:func:`selected_token_logprob_rank`.
+
+    Args:
+        logits: ``[num_rows, vocab_size]`` fp32 or bf16, last dimension contiguous. Not modified.
+        k: ``0 <= k <= 20`` (vLLM's default ``max_logprobs``) and ``k <= vocab_size``.
+        token_ids: optional ``[num_rows]`` int64, the sampled tokens (out-of-range ids: logprob
+            NaN, rank 0, the id kept in column 0 as int32).
+        sampler: ``"v1"`` (default) or ``"v2"``: the rank's definition.
+        indices, logprobs, ranks: optional outputs ``[num_rows, k+1]`` int32,
+            ``[num_rows, k+1]`` fp32, ``[num_rows]`` int64; allocated when None.
+        stream: CUDA stream; default the caller's current stream.
+
+    Returns ``(indices, logprobs, ranks)``. Mutates only the outputs.
+
+    {raises}
+
+    Matches V1 ``Sampler.gather_logprobs`` (``torch.topk`` of the logprobs) and V2
+    ``compute_topk_logprobs`` (``torch.topk`` of the raw logits); both pick the same k values.
+    """
+    if ad.is_compiling():
+        return top_k_logprobs.traced(logits=logits, k=k, token_ids=token_ids, sampler=sampler,
+                                     indices=indices, logprobs=logprobs, ranks=ranks,
+                                     stream=stream)
+    h = _stream_key(logits, stream)
+    key = (L.key("top_k_logprobs", (k, sampler, h), logits, token_ids, indices, logprobs, ranks)
+           if h is not None and type(k) is int else None)
+    if key is not None and (hit := L.replay(key)) is not None:
+        return L.fill(hit, indices, logprobs, ranks)
+    op = "loomnb.top_k_logprobs"
+    la = _logits(op, logits)
+    k = _k(op, k, la.shape[1])
+    ta = _token_ids(op, token_ids, la) if token_ids is not None else None
+    _sampler(op, sampler)
+    R = la.shape[0]
+    ix = _out(op, "indices", indices, la, "i32", (R, k + 1))
+    lp = _out(op, "logprobs", logprobs, la, "f32", (R, k + 1))
+    rk = _out(op, "ranks", ranks, la, "i64", (R,))
+    C.no_overlap(op, {"indices": ix, "logprobs": lp, "ranks": rk},
+                 {"logits": la, "token_ids": ta})
+    spec = LogprobSpec(la.kind, sampler, given=ta is not None, topk=True)
+    _launch_logprob(op, spec, la, ta, None, ix, lp, rk, k, stream, key)
+    return ix.obj, lp.obj, rk.obj
+
+
+@torch_op("Tensor(a!) logits, Tensor min_p, str sampler='v1'", returns=("logits",))
+def min_p_filter_(logits, min_p, sampler="v1", *, stream=None):
+    """Min-P in place: set to ``-inf`` the logits of tokens much less likely than the row's best.
+
+    * ``sampler="v1"`` (probability space, ``MinPLogitsProcessor``): ``p_v = r32(r32(expf(
+      r32(x_v - m))) / S)`` with ``S = r32(sum_v exp(x_v - m))`` (float64 sum), ``p_max =
+      r32(1 / S)``; masks ``p_v < r32(p_max * min_p[r])``.
+    * ``sampler="v2"`` (logit space, ``_min_p_kernel``): masks ``x_v < r32(m + r32(log(
+      min_p[r])))``, ``m`` the largest non-NaN logit, ``log`` correctly rounded (vLLM: Triton's
+      ``tl.log``, which may differ by an ulp).
+
+    Rows whose ``min_p`` is 0 are neither read nor written (vLLM's V2 returns early; V1's
+    threshold is 0 there, which masks nothing). The largest logit always survives (for
+    ``min_p <= 1``); ``min_p = 1`` keeps exactly the tokens whose probability (V1) or logit (V2)
+    equals the maximum. NaN: V1 leaves a row containing NaN, ``+inf`` or only ``-inf``
+    untouched (its probabilities are NaN); V2 ignores NaN for the maximum, leaves NaN logits as
+    they are, and with a ``+inf`` logit masks every finite one. ``min_p`` outside ``[0, 1]`` is
+    not checked (a device read): NaN or negative masks nothing, above 1 masks every token.
+
+    Args:
+        logits: ``[num_rows, vocab_size]`` fp32 (vLLM's processed logits, after temperature),
+            last dimension contiguous, any row stride, writable. Mutated in place.
+        min_p: ``[num_rows]`` fp32 on the same device.
+        sampler: ``"v1"`` (default) or ``"v2"``.
+        stream: CUDA stream; default the caller's current stream.
+
+    Returns ``logits``. Mutates: ``logits`` (masked elements only). No temporary the size of
+    the logits: two kernels, per-block statistics in a small workspace, then the mask.
+
+    {raises}
+    """
+    if ad.is_compiling():
+        return min_p_filter_.traced(logits=logits, min_p=min_p, sampler=sampler, stream=stream)
+    h = _stream_key(logits, stream)
+    k = L.key("min_p_filter_", (sampler, h), logits, min_p) if h is not None else None
+    if (k is not None and L.replay(k + ("stats",)) is not None
+            and L.replay(k + ("mask",)) is not None):
+        return logits
+    op = "loomnb.min_p_filter_"
+    la = _logits(op, logits, ("f32",))
+    _sampler(op, sampler)
+    ma = ad.wrap(op, "min_p", min_p)
+    check_kind(op, "min_p", ma, ("f32",))
+    check_shape(op, "min_p", ma, (la.shape[0],), "[num_rows]")
+    check_same_device(op, "min_p", ma, "logits", la)
+    C.writable(op, {"logits": la})
+    C.no_overlap(op, {"logits": la}, {"min_p": ma})
+    R, V = la.shape
+    if R == 0:
+        return logits
+    vec = C.vectors_ok(la)
+    layout = "vec" if vec else "scalar"
+    threads, splits, chunk = launch_config(R, V, UNIT["f32"], _sms(la), L.forced_threads(),
+                                           _forced_splits)
+    ws = _workspace(la, stream)
+    params = [L.array(la, words=vec), L.array(ma), _ws_param(ws.f, "float64", la),
+              L.i64(V), L.i64(splits), L.i64(chunk)]
+    for phase in ("stats", "mask"):
+        L.launch(min_p_kernel, MinPSpec(sampler, phase, layout), R * splits, threads, params,
+                 like=la, stream=stream, key=None if k is None else k + (phase,))
+    return logits
+
+
+for _op in (greedy_sample_logprob, selected_token_logprob_rank, top_k_logprobs, min_p_filter_):
+    _op.__doc__ = _op.__doc__.replace("{raises}", _RAISES)
+del _op
