@@ -23,6 +23,22 @@ PROVIDER_ORDER = ["loomnb", "vllm", "torch_compile", "liger", "torch"]
 SUBJECT = "loomnb"
 
 
+FAMILY_PREFIXES = ("norm", "activation", "rope_cache", "decode_attention", "sampling", "spec")
+
+
+def _newest_of_each(results_dir: Path, patterns=None) -> list[Path]:
+    """The newest result file of each pattern (default: each family's), a real run before a
+    dry run; exits if there is none at all."""
+    found = []
+    for pat in patterns or [f"{f}_*.json" for f in FAMILY_PREFIXES]:
+        files = sorted(Path(results_dir).glob(pat), key=lambda p: ("dryrun" not in p.name, p.name))
+        if files:
+            found.append(files[-1])
+    if not found:
+        sys.exit(f"no benchmark results in {results_dir}: run a bench_<family>.py first (or --dry-run)")
+    return found
+
+
 def newest(results_dir: Path, pattern: str) -> Path:
     files = sorted(Path(results_dir).glob(pattern))  # names start with a sortable timestamp
     if not files:
@@ -41,7 +57,7 @@ def load(paths) -> tuple[list[tuple[Path, dict]], list[dict]]:
                         f"(stopped early, e.g. by a time limit); provider-order passes present: {passes or 'none'}")
         metas.append((Path(p), meta))
         for r in d["results"]:
-            rows.append({**r, "_copy_GBps": d["meta"].get("copy_GBps")})
+            rows.append({**r, "_copy_GBps": d["meta"].get("copy_GBps"), "_file": Path(p).name})
     return metas, rows
 
 
@@ -50,11 +66,21 @@ def _median(vals):
     return statistics.median(vals) if vals else None
 
 
+def _shape(r):
+    """The fixed part of a case's shape (format 2 rows carry it; older norm rows: hidden)."""
+    return r.get("shape") or f"hidden {r['hidden_size']}"
+
+
+def _x(r):
+    """The swept size of a case (format 2: ``x``; older norm rows: num_tokens)."""
+    return r["x"] if "x" in r else r["num_tokens"]
+
+
 def aggregate(rows: list[dict]) -> dict:
-    """(op, l2, dtype, hidden, num_tokens, provider) -> medians over passes, or status/reason."""
+    """(op, l2, dtype, shape, x, provider) -> medians over passes, or status/reason."""
     groups = defaultdict(list)
     for r in rows:
-        groups[(r["op"], r.get("l2", "warm"), r["dtype"], r["hidden_size"], r["num_tokens"],
+        groups[(r["op"], r.get("l2", "warm"), r["dtype"], _shape(r), _x(r),
                 r["provider"])].append(r)
     out = {}
     for key, rs in groups.items():
@@ -97,18 +123,18 @@ def _providers(agg, sel):
     return [p for p in PROVIDER_ORDER if p in present] + sorted(present - set(PROVIDER_ORDER))
 
 
-def op_section(agg: dict, sel: tuple, plots: list[str]) -> list[str]:
-    op, l2, dtype, h = sel
+def op_section(agg: dict, sel: tuple, plots: list[str], x_axis="num_tokens") -> list[str]:
+    op, l2, dtype, shape = sel
     provs = _providers(agg, sel)
     nts = sorted({k[4] for k in agg if k[:4] == sel})
     outputs = next((list(v["exact"]) for k, v in agg.items()
                     if k[:4] == sel and v.get("exact")), [])
-    lines = [f"### {op} — hidden {h}, {dtype}, L2 {l2}", ""]
+    lines = [f"### {op} — {shape}, {dtype}, L2 {l2}", ""]
     if l2 == "cold":
         lines += ["L2 cold: every call reads a new set of buffers (rotated through more than twice "
                   "the L2), so each eager loomnb call has new data pointers, misses the launch "
                   "cache and is validated and packed again; its eager µs is that path's cost.", ""]
-    lines += [f"| num_tokens | provider | graph µs | eager µs | GB/s | % copy bw | byte-exact vs "
+    lines += [f"| {x_axis} | provider | graph µs | eager µs | GB/s | % copy bw | byte-exact vs "
               f"ref ({' / '.join(outputs) or 'n/a'}) | pass spread % |",
               "|---:|---|---:|---:|---:|---:|---|---:|"]
     for nt in nts:
@@ -129,7 +155,7 @@ def op_section(agg: dict, sel: tuple, plots: list[str]) -> list[str]:
     if SUBJECT in provs and peers:
         lines += ["", f"{SUBJECT} speedup = peer graph µs / {SUBJECT} graph µs "
                   "(**bold** where below 1.00, i.e. the peer is faster):", "",
-                  "| num_tokens | " + " | ".join(peers) + " |",
+                  f"| {x_axis} | " + " | ".join(peers) + " |",
                   "|---:|" + "---:|" * len(peers)]
         for nt in nts:
             cells = []
@@ -138,7 +164,7 @@ def op_section(agg: dict, sel: tuple, plots: list[str]) -> list[str]:
                 cells.append("—" if r is None else (f"**{r:.2f}**" if r < 1 else f"{r:.2f}"))
             lines.append(f"| {nt} | " + " | ".join(cells) + " |")
     small = nts[0] if nts else None
-    lines += ["", f"Eager (Python loop) at num_tokens={small}: host µs is the time to issue one "
+    lines += ["", f"Eager (Python loop) at {x_axis}={small}: host µs is the time to issue one "
               "call; if it is close to eager µs the host, not the GPU, is the bottleneck.", "",
               "| provider | eager µs | host µs | graph µs |", "|---|---:|---:|---:|"]
     for p in provs:
@@ -157,15 +183,17 @@ def ratio(agg, key5, peer):
     return None
 
 
-def plot(agg: dict, sel: tuple, out_dir: Path, copy_gbps) -> list[str]:
+def plot(agg: dict, sel: tuple, out_dir: Path, copy_gbps, family="norm", x_axis="num_tokens") -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker  # noqa: F401
-    op, l2, dtype, h = sel
+    op, l2, dtype, shape = sel
+    h = shape
     provs = _providers(agg, sel)
     nts = sorted({k[4] for k in agg if k[:4] == sel})
-    stem = f"norm_{op}_h{h}_{dtype}_{l2}"
+    tag = "".join(c if c.isalnum() else "_" for c in shape.replace("hidden ", "h")).strip("_")
+    stem = f"{family}_{op}_{tag}_{dtype}_{l2}"
     files = []
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for p in provs:
@@ -175,9 +203,9 @@ def plot(agg: dict, sel: tuple, out_dir: Path, copy_gbps) -> list[str]:
             ax.plot(*zip(*pts), marker="o", label=p, lw=2.5 if p == SUBJECT else 1.5)
     if copy_gbps:
         ax.axhline(copy_gbps, ls="--", color="gray", label=f"copy bw {copy_gbps:.0f} GB/s")
-    ax.set(xscale="log", yscale="log", xlabel="num_tokens",
+    ax.set(xscale="log", yscale="log", xlabel=x_axis,
            ylabel="effective GB/s (bytes model / graph time)",
-           title=f"{op}\nhidden {h}, {dtype}, L2 {l2}")
+           title=f"{op}\n{h}, {dtype}, L2 {l2}")
     ax.set_xticks(nts, [str(n) for n in nts])
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -193,9 +221,9 @@ def plot(agg: dict, sel: tuple, out_dir: Path, copy_gbps) -> list[str]:
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=f"vs {p}")
         ax.axhline(1.0, ls="--", color="gray")
-        ax.set(xscale="log", yscale="log", xlabel="num_tokens",
+        ax.set(xscale="log", yscale="log", xlabel=x_axis,
                ylabel=f"{SUBJECT} speedup (peer µs / {SUBJECT} µs)",
-               title=f"{op}: {SUBJECT} vs peers\nhidden {h}, {dtype}, L2 {l2}")
+               title=f"{op}: {SUBJECT} vs peers\n{h}, {dtype}, L2 {l2}")
         ax.set_xticks(nts, [str(n) for n in nts])
         ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
@@ -281,20 +309,30 @@ def main(argv=None) -> Path:
     ap = argparse.ArgumentParser(description="Summarise benchmark JSON into SUMMARY.md + plots")
     ap.add_argument("files", nargs="*", type=Path, help="result JSON files (default: newest)")
     ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
-    ap.add_argument("--pattern", default="norm_*.json", help="for picking the newest file")
+    ap.add_argument("--pattern", action="append",
+                    help="glob(s) for picking the newest file of each (default: every family's "
+                         + ", ".join(f"{f}_*.json" for f in FAMILY_PREFIXES) + ")")
     ap.add_argument("--out-dir", type=Path, help="default: --results-dir")
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
-    files = args.files or [newest(args.results_dir, args.pattern)]
+    files = args.files or _newest_of_each(args.results_dir, args.pattern)
     out_dir = args.out_dir or args.results_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     metas, rows = load(files)
-    agg = aggregate(rows)
-    copy = _median(m.get("copy_GBps") for _, m in metas)
     lines = header(metas)
-    for sel in dict.fromkeys(k[:4] for k in agg):
-        plots = [] if args.no_plots else plot(agg, sel, out_dir, copy)
-        lines += op_section(agg, sel, plots)
+    families = dict.fromkeys(m.get("benchmark", "norm") for _, m in metas)
+    for fam in families:
+        fam_metas = [(p, m) for p, m in metas if m.get("benchmark", "norm") == fam]
+        names = {p.name for p, _ in fam_metas}
+        fam_rows = [r for r in rows if r["_file"] in names]
+        x_axis = fam_metas[0][1].get("x_axis", "num_tokens")
+        agg = aggregate(fam_rows)
+        copy = _median(m.get("copy_GBps") for _, m in fam_metas)
+        if len(families) > 1:
+            lines += [f"## {fam}", ""]
+        for sel in dict.fromkeys(k[:4] for k in agg):
+            plots = [] if args.no_plots else plot(agg, sel, out_dir, copy, fam, x_axis)
+            lines += op_section(agg, sel, plots, x_axis)
     lines += extra_sections(args.results_dir)
     md = out_dir / "SUMMARY.md"
     md.write_text("\n".join(lines) + "\n")
