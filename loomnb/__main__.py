@@ -21,5 +21,10 @@ def main(argv=None, prog="python -m loomnb") -> int:
     return cli_main(argv, prog=prog)
 
 
+def console() -> int:
+    """The ``loomnb`` console script (named ``loomnb`` in messages)."""
+    return main(prog="loomnb")
+
+
 if __name__ == "__main__":
     sys.exit(main())
