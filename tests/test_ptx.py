@@ -77,7 +77,24 @@ def _activation_checks(spec, ptx):
         assert "div.rn.f32" in ptx, "per-token/group quant divide (IEEE, via div_rn)"
 
 
-FAMILY_CHECKS = {"_norm_kernels": _norm_checks, "_sampling_kernels": _sampling_checks, "_activation_kernels": _activation_checks}
+def _rope_cache_checks(spec, ptx):
+    import re
+    assert "div.approx" not in ptx and "div.full" not in ptx, "FP8 KV quantisation divides (IEEE)"
+    if spec.rope:
+        assert "mul.rn.f32" in ptx, "RoPE products carry .rn (ptxas never re-fuses them)"
+        if spec.form == "nn":
+            assert "fma.rn.f32" not in ptx and "add.rn.f32" in ptx and "sub.rn.f32" in ptx
+        else:
+            assert "fma.rn.f32" in ptx, "fma='vllm' fuses one product of each output"
+    if spec.kv == "fp8_e4m3":
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
+    if spec.kv == "fp8_e5m2":
+        assert "cvt.rn.satfinite.e5m2x2.f32" in ptx and "div.rn.f32" in ptx
+    if spec.layout == "vector":
+        assert re.search(r"ld(\.global)?\.v4\.u32", ptx) and re.search(r"st(\.global)?\.v[24]\.u32", ptx)
+
+
+FAMILY_CHECKS = {"_norm_kernels": _norm_checks, "_sampling_kernels": _sampling_checks, "_activation_kernels": _activation_checks, "_rope_cache_kernels": _rope_cache_checks}
 
 
 def test_every_family_declares_variants():

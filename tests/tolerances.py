@@ -58,6 +58,9 @@ TOL = {
     # step -- or, when it is its group's amax, the group's scale by one bf16 ulp and any code of
     # the group one step. (Fused vs unfused loomnb on the GPU is compared bit for bit.)
     ("activation_fp8", "fp8"): (1, 1e-2, "activation flips, and the scales of groups whose amax flips"),
+    # rope_cache: everything is elementwise -- RoPE in fp32 with each output rounded once (an
+    # FMA emulated exactly by fma_f32), bit copies and FP8 conversions of x / scale (IEEE).
+    ("rope_cache", "any"): (0, 0.0, "elementwise: bit-exact, FMA contraction reproduced exactly"),
 }
 
 # relative tolerance of the per-token FP8 scale: amax/448 of values that are bit-exact but for
