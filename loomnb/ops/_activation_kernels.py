@@ -1,0 +1,567 @@
+"""The activation-family kernels: one factory, specialised by a frozen :class:`ActSpec`.
+
+Every op of the family is one elementwise *source* followed by one *sink*:
+
+* source (``act``): ``"none"`` reads ``y = f(x)``; the gated activations read a gate ``g`` and a
+  multiplier ``u`` -- the two halves of a ``[..., 2d]`` row (``silu``, ``gelu``, ``gelu_tanh``,
+  ``fatrelu``; ``mul_silu`` swaps the halves) or its interleaved pairs (``swigluoai``) -- and
+  compute ``y = r(f(r(act(g))) * f(u))`` in float32 (``numerics="per_block"``: vLLM's fused
+  ``silu_and_mul_per_block_quant``, ``y = (g * (1/(1 + expf(-g)))) * u`` with no rounding);
+* sink (``quant``): ``"none"`` stores ``y`` as T; ``"static"`` stores ``e4m3(clamp(y * (1/s)))``
+  with ``s = scale[0]``; ``"tensor"`` does the same with ``s = max(partials)/448`` (the second
+  pass of the dynamic per-tensor quant, which also writes ``s`` to ``scale[0]``); ``"token"``
+  reduces the row's amax over the block, ``s = max(min(amax, ub)/448, 1/(448*512))``, stores
+  ``e4m3(clamp(y / s))``; ``"group"`` reduces each group of ``group`` elements over the
+  ``group/8`` lanes that hold it (warp shuffles), ``s = max(eps, amax)/448`` (UE8M0: rounded up
+  to a power of two), stores ``e4m3(clamp_nan_low(y / s))``; ``"amax"`` (the first pass of the
+  dynamic per-tensor quant) only writes each block's ``max|y|`` to ``partials``.
+
+Threads work on *units* of 8 consecutive output elements (16 bytes of bf16/fp16, 32 of fp32,
+8 FP8 codes). Layout ``"vector"`` (rows 16-byte aligned, d a multiple of 8) moves a unit with
+16-byte loads and stores (``ld.v4.u32``; FP8 units as one 8-byte store); ``"scalar"`` moves one
+element at a time (any alignment, any d: the last unit may be partial). Thread ``t`` of block
+``(row, c)`` owns units ``c*T*upt + t + j*T``, ``j < upt``, so a 64- or 128-element group is 8
+or 16 consecutive lanes. Chunked sinks (none, static, tensor, group) split a row over
+``gridDim.y`` blocks; ``"token"`` needs the whole row in one block: ``upt`` units a thread held
+in registers (all loads in flight), or ``upt = 0`` for rows too long for that: loop, reduce,
+loop again (the second read mostly hits L1/L2).
+
+Rows are 1-D views ``x[i0, i1]`` of 3-D row arrays ``[n0, n1, row]`` (``n0 = 1`` with stride 0
+when the leading dimensions merge into one); the row index is ``blockIdx.x`` and every element
+and word offset is 64-bit.
+
+Parameters (one signature for every variant; an unused array is empty):
+``out, x, scales, scale, partials, p0, p1, d`` -- ``out``/``x`` ``[n0, n1, *]`` (uint32 words in
+the vector layout, storage elements in the scalar one), ``scales [rows, G]`` float32 with any
+strides (token: ``G = 1``), ``scale [1]`` float32 (static scale, per-tensor scale out, or
+``scale_ub``), ``partials [P]`` float32, ``p0``/``p1`` float32 (FATReLU threshold; SwiGLU-OAI
+alpha and limit; group eps), ``d`` int64 (the output row length).
+
+A second, small factory :func:`dequant_kernel` serves ``scaled_fp8_dequant``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, float32, int64, uint32
+
+from .._numba_internals import SIM, device
+from ..layouts.dtypes import bits_f32, e4m3_to_f32, f32_bits, f32_to_e4m3, pack_e4m3x2
+from . import _launch as L
+from ._fp8 import clamp_fp8, clamp_fp8_nan_low, div_rn, scale_from_amax, ue8m0
+from ._reduce import REDUCE_SCRATCH, block_max, fmax_nan, fmin_nan, group_reduce
+from ._vector import CODECS, load_u32x4, store_u32x2, store_u32x4
+
+ACTS = ("none", "silu", "mul_silu", "gelu", "gelu_tanh", "fatrelu", "swigluoai")
+GATED = ACTS[1:]
+QUANTS = ("none", "static", "tensor", "token", "group", "amax")
+NUMERICS = ("unfused", "per_block")
+GROUP_SIZES = (64, 128)
+UNIT = 8                # output elements per unit
+CHUNK_UPT = 2           # units a thread holds in the chunked sinks
+TOKEN_UPT = (2, 4)      # units a thread holds in the register-cached per-token sink (0: reread)
+KINDS = ("bf16", "f16", "f32")
+
+F32 = np.float32
+ONE, HALF, ZERO = F32(1.0), F32(0.5), F32(0.0)
+FP8_MAX = F32(448.0)
+GELU_ALPHA = F32(0.7071067811865476)   # M_SQRT1_2
+GELU_BETA = F32(0.7978845608028654)    # M_SQRT2 * M_2_SQRTPI * 0.5
+GELU_KAPPA = F32(0.044715)
+PER_BLOCK_MIN_SCALE = F32(1e-10)
+
+
+@dataclass(frozen=True)
+class ActSpec:
+    kind: str                   # input (and T output) dtype: bf16, f16, f32
+    act: str = "none"           # ACTS
+    quant: str = "none"         # QUANTS
+    numerics: str = "unfused"   # NUMERICS ("per_block": silu + group only)
+    group: int = 0              # quant == "group": GROUP_SIZES
+    ue8m0: bool = False         # group scales rounded up to powers of two
+    scale_ub: bool = False      # token: clip the amax by scale[0]
+    layout: str = "vector"      # "vector" or "scalar"
+    upt: int = CHUNK_UPT        # units a thread holds (token: TOKEN_UPT or 0 = reread loop)
+
+    def __post_init__(self):
+        assert self.kind in KINDS and self.act in ACTS and self.quant in QUANTS
+        assert self.numerics in NUMERICS and self.layout in ("vector", "scalar")
+        assert (self.group in GROUP_SIZES) == (self.quant == "group")
+        assert not self.ue8m0 or (self.quant == "group" and self.numerics == "unfused")
+        assert not self.scale_ub or self.quant == "token"
+        assert self.numerics == "unfused" or (self.act == "silu" and self.quant == "group")
+        assert self.act == "none" or self.quant in ("none", "static", "group")
+        if self.quant == "token":
+            assert self.upt in TOKEN_UPT + (0,) and (self.upt or True)
+        elif self.quant == "amax":
+            assert self.upt == 1
+        else:
+            assert self.upt == CHUNK_UPT
+
+
+def argtypes(spec):
+    """The numba signature of ``act_quant_kernel(spec)``'s parameters."""
+    vec = spec.layout == "vector"
+    store = {"bf16": "uint16", "f16": "uint16", "f32": "float32"}[spec.kind]
+    xt = "uint32" if vec else store
+    ot = "uint32" if vec else (store if spec.quant == "none" else "uint8")
+    return (L.array_type(ot, 3), L.array_type(xt, 3), L.array_type("float32", 2),
+            L.array_type("float32", 1), L.array_type("float32", 1), L.f32(0).numba_type,
+            L.f32(0).numba_type, L.i64(0).numba_type)
+
+
+# ---------------------------------------------------------------- float32 math (libdevice)
+if SIM:
+    _FLT_OVER = float(np.finfo(np.float32).max) + 2.0 ** 103  # rounds to inf as a float32
+
+    @device
+    def expf(v):
+        """float32 ``exp`` as the oracle computes it: float64 ``exp`` rounded once."""
+        r = math.exp(float(v)) if float(v) < 709.0 else math.inf
+        return F32(math.inf) if r >= _FLT_OVER else F32(r)
+
+    @device
+    def erff(v):
+        return F32(math.erf(float(v)))
+
+    @device
+    def tanhf(v):
+        return F32(math.tanh(float(v)))
+
+    @device
+    def fmaf(a, b, c):
+        """float32 FMA as the oracle's twin: exact product, sum rounded via float64."""
+        return F32(float(a) * float(b) + float(c))
+else:
+    from numba.cuda import libdevice
+
+    @device
+    def expf(v):
+        """libdevice ``__nv_expf``: the ``expf`` nvcc links into vLLM's and torch's kernels."""
+        return libdevice.expf(v)
+
+    @device
+    def erff(v):
+        return libdevice.erff(v)
+
+    @device
+    def tanhf(v):
+        return libdevice.tanhf(v)
+
+    @device
+    def fmaf(a, b, c):
+        return cuda.fma(a, b, c)
+
+
+def _act_fn(spec):
+    """``y(g, u, p0, p1)``: the source value of one element, float32 (T-rounded as specified)."""
+    rnd = CODECS[spec.kind].rnd
+    act, per_block = spec.act, spec.numerics == "per_block"
+    if act == "none":
+        @device
+        def y(g, u, p0, p1):
+            return g
+    elif act in ("silu", "mul_silu") and per_block:
+        @device
+        def y(g, u, p0, p1):
+            return (g * (ONE / (ONE + expf(-g)))) * u
+    elif act in ("silu", "mul_silu"):
+        @device
+        def y(g, u, p0, p1):
+            return rnd(rnd(g / (ONE + expf(-g))) * u)
+    elif act == "gelu":
+        @device
+        def y(g, u, p0, p1):
+            return rnd(rnd((g * HALF) * (ONE + erff(g * GELU_ALPHA))) * u)
+    elif act == "gelu_tanh":
+        @device
+        def y(g, u, p0, p1):
+            inner = GELU_BETA * fmaf(GELU_KAPPA, (g * g) * g, g)
+            return rnd(rnd((HALF * g) * (ONE + tanhf(inner))) * u)
+    elif act == "fatrelu":
+        @device
+        def y(g, u, p0, p1):
+            a = g if g > p0 else ZERO
+            return rnd(a * u)
+    else:  # swigluoai: p0 = alpha, p1 = limit
+        @device
+        def y(g, u, p0, p1):
+            gg = fmin_nan(g, p1)
+            uu = fmax_nan(fmin_nan(u, p1), -p1)
+            return rnd(((uu + ONE) * gg) / (ONE + expf((-gg) * p0)))
+    return y
+
+
+# ---------------------------------------------------------------- unit I/O
+def _io(spec):
+    """(load, store_t, store_q): move one unit of 8 elements starting at output element ``e``.
+
+    ``load(gv, uv, b, xr, e, d)`` fills ``gv[b:b+8]`` (and ``uv`` for gated sources) with float32
+    values, zeros past the row; ``store_t(orow, e, yv, b, d)`` stores ``yv[b:b+8]`` as T;
+    ``store_q(orow, e, qv, b, d)`` stores them as E4M3 codes (values already clamped)."""
+    kind, act = spec.kind, spec.act
+    codec = CODECS[kind]
+    dec, enc = codec.decode, codec.encode
+    inter, split, swap = act == "swigluoai", act not in ("none", "swigluoai"), act == "mul_silu"
+
+    if spec.layout == "scalar":
+        @device
+        def load(gv, uv, b, xr, e, d):
+            for k in range(UNIT):
+                if e + k < d:
+                    if inter:
+                        gv[b + k] = dec(xr[2 * (e + k)])
+                        uv[b + k] = dec(xr[2 * (e + k) + 1])
+                    elif split:
+                        a, c = dec(xr[e + k]), dec(xr[d + e + k])
+                        gv[b + k] = c if swap else a
+                        uv[b + k] = a if swap else c
+                    else:
+                        gv[b + k] = dec(xr[e + k])
+                else:
+                    gv[b + k] = ZERO
+                    uv[b + k] = ZERO
+
+        @device
+        def store_t(orow, e, yv, b, d):
+            for k in range(UNIT):
+                if e + k < d:
+                    orow[e + k] = enc(yv[b + k])
+
+        @device
+        def store_q(orow, e, qv, b, d):
+            for k in range(UNIT):
+                if e + k < d:
+                    orow[e + k] = f32_to_e4m3(qv[b + k])
+
+        return load, store_t, store_q
+
+    if kind == "f32":  # words are the float bits; a unit is two 16-byte vectors
+        @device
+        def load4(v, b, xr, w):
+            t = load_u32x4(xr, w)
+            for k in range(4):
+                v[b + k] = bits_f32(t[k])
+
+        @device
+        def load(gv, uv, b, xr, e, d):
+            if inter:  # 16 floats from element 2e: gate at even, up at odd positions
+                for h in range(4):
+                    t = load_u32x4(xr, 2 * e + 4 * h)
+                    gv[b + 2 * h] = bits_f32(t[0])
+                    uv[b + 2 * h] = bits_f32(t[1])
+                    gv[b + 2 * h + 1] = bits_f32(t[2])
+                    uv[b + 2 * h + 1] = bits_f32(t[3])
+            else:
+                ga, ua = (d, 0) if swap else (0, d)
+                load4(gv, b, xr, ga + e)
+                load4(gv, b + 4, xr, ga + e + 4)
+                if split:
+                    load4(uv, b, xr, ua + e)
+                    load4(uv, b + 4, xr, ua + e + 4)
+
+        @device
+        def store_t(orow, e, yv, b, d):
+            for h in range(2):
+                c = b + 4 * h
+                store_u32x4(orow, e + 4 * h, (f32_bits(yv[c]), f32_bits(yv[c + 1]),
+                                              f32_bits(yv[c + 2]), f32_bits(yv[c + 3])))
+    else:  # bf16/fp16: a unit is one 16-byte vector of 4 words, 2 values a word
+        unpack, pack = codec.unpack, codec.pack
+
+        @device
+        def load8(v, b, xr, w):
+            t = load_u32x4(xr, w)
+            for k in range(4):
+                lo, hi = unpack(t[k])
+                v[b + 2 * k] = lo
+                v[b + 2 * k + 1] = hi
+
+        @device
+        def load(gv, uv, b, xr, e, d):
+            if inter:  # 16 elements from element 2e (word e): each word is one (gate, up) pair
+                for h in range(2):
+                    t = load_u32x4(xr, e + 4 * h)
+                    for k in range(4):
+                        lo, hi = unpack(t[k])
+                        gv[b + 4 * h + k] = lo
+                        uv[b + 4 * h + k] = hi
+            else:
+                ga, ua = (d, 0) if swap else (0, d)
+                load8(gv, b, xr, (ga + e) >> 1)
+                if split:
+                    load8(uv, b, xr, (ua + e) >> 1)
+
+        @device
+        def store_t(orow, e, yv, b, d):
+            store_u32x4(orow, e >> 1, (pack(yv[b + 1], yv[b]), pack(yv[b + 3], yv[b + 2]),
+                                       pack(yv[b + 5], yv[b + 4]), pack(yv[b + 7], yv[b + 6])))
+
+    @device
+    def store_q(orow, e, qv, b, d):
+        lo = (int(pack_e4m3x2(qv[b + 3], qv[b + 2])) << 16) | int(pack_e4m3x2(qv[b + 1], qv[b]))
+        hi = (int(pack_e4m3x2(qv[b + 7], qv[b + 6])) << 16) | int(pack_e4m3x2(qv[b + 5], qv[b + 4]))
+        store_u32x2(orow, e >> 2, (uint32(lo), uint32(hi)))
+
+    return load, store_t, store_q
+
+
+@device
+def _row_view(a, row):
+    """``(i0, i1)`` of flattened row ``row`` in a ``[n0, n1, *]`` row array (32-bit division:
+    a grid has fewer than 2^31 rows)."""
+    n1 = uint32(a.shape[1])
+    i0 = uint32(row) // n1
+    return i0, uint32(row) - i0 * n1
+
+
+# ---------------------------------------------------------------- the kernels
+def act_quant_kernel(spec):
+    """The ``@cuda.jit`` function for ``spec`` (see the module docstring)."""
+    if spec.quant == "amax":
+        return _amax(spec)
+    if spec.quant == "token" and spec.upt == 0:
+        return _token_loop(spec)
+    return _units(spec)
+
+
+act_quant_kernel.__name__ = "act_quant_kernel"
+
+
+def _name(spec):
+    extra = (f"_g{spec.group}{'_ue8m0' if spec.ue8m0 else ''}" if spec.quant == "group" else
+             "_ub" if spec.scale_ub else "")
+    nums = "_perblock" if spec.numerics == "per_block" else ""
+    return f"act_{spec.kind}_{spec.act}_{spec.quant}{extra}{nums}_{spec.layout}_upt{spec.upt}"
+
+
+def _units(spec):
+    """Chunked sinks (none, static, tensor, group) and the register-cached per-token sink."""
+    load, store_t, store_q = _io(spec)
+    yfn = _act_fn(spec)
+    Q, UPT = spec.quant, spec.upt
+    NS = UNIT * UPT
+    GW = spec.group // UNIT if Q == "group" else 1  # lanes a group spans
+    gmax = group_reduce(fmax_nan, GW) if Q == "group" else None
+    UE8M0, UB, PER_BLOCK = spec.ue8m0, spec.scale_ub, spec.numerics == "per_block"
+    TOKEN, TENSOR = Q == "token", Q == "tensor"
+
+    def kernel(out, x, scales, scale, partials, p0, p1, d):
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        row = cuda.blockIdx.x
+        gv = cuda.local.array(NS, float32)
+        uv = cuda.local.array(NS, float32)
+        sm = cuda.shared.array(REDUCE_SCRATCH, float32)
+        inv = ONE
+        if Q == "static":
+            inv = ONE / scale[0]
+        elif TENSOR:  # every block reduces the first pass's partial maxima (a few hundred)
+            a = ZERO
+            for i in range(tid, partials.shape[0], nt):
+                a = fmax_nan(a, partials[i])
+            s = block_max(a, sm) / FP8_MAX
+            if row == 0 and cuda.blockIdx.y == 0 and tid == 0:
+                scale[0] = s
+            inv = ONE / s
+        if row < x.shape[0] * x.shape[1]:  # (the per-tensor grid has a block for an empty x)
+            i0, i1 = _row_view(x, row)
+            xr, orow = x[i0, i1], out[i0, i1]
+            nu = (d + (UNIT - 1)) >> 3
+            first = int64(cuda.blockIdx.y) * nt * UPT + tid
+            amax = ZERO
+            for j in range(UPT):
+                u = first + j * nt
+                b = UNIT * j
+                if u < nu:
+                    load(gv, uv, b, xr, u << 3, d)
+                    ga = ZERO
+                    for k in range(UNIT):
+                        gv[b + k] = yfn(gv[b + k], uv[b + k], p0, p1)
+                        ga = fmax_nan(ga, abs(gv[b + k]))
+                    amax = fmax_nan(amax, ga)
+                else:
+                    ga = ZERO
+                if Q == "group":  # every lane of the warp takes part, in range or not
+                    ga = gmax(ga)
+                    if PER_BLOCK:
+                        s = fmax_nan(ga / FP8_MAX, PER_BLOCK_MIN_SCALE)
+                    else:
+                        s = fmax_nan(ga, p0) / FP8_MAX
+                        if UE8M0:
+                            s = ue8m0(s)
+                    if u < nu:
+                        if u % GW == 0:
+                            scales[row, u // GW] = s
+                        rs = ONE / s
+                        for k in range(UNIT):
+                            v = div_rn(gv[b + k], s, rs)
+                            gv[b + k] = v if PER_BLOCK else clamp_fp8_nan_low(v)
+                        store_q(orow, u << 3, gv, b, d)
+                elif not TOKEN and u < nu:
+                    if Q == "none":
+                        store_t(orow, u << 3, gv, b, d)
+                    else:
+                        for k in range(UNIT):
+                            gv[b + k] = clamp_fp8(gv[b + k] * inv)
+                        store_q(orow, u << 3, gv, b, d)
+            if TOKEN:
+                s = scale_from_amax(block_max(amax, sm), scale[0] if UB else ZERO, UB)
+                if tid == 0:
+                    scales[row, 0] = s
+                rs = ONE / s
+                for j in range(UPT):
+                    u = first + j * nt
+                    if u < nu:
+                        for k in range(UNIT):
+                            gv[UNIT * j + k] = clamp_fp8(div_rn(gv[UNIT * j + k], s, rs))
+                        store_q(orow, u << 3, gv, UNIT * j, d)
+
+    kernel.__name__ = _name(spec)
+    return kernel
+
+
+def _token_loop(spec):
+    """Per-token sink for rows too long to hold in registers: amax pass, block reduction, then
+    a second pass that reads the row again and quantises it."""
+    load, store_t, store_q = _io(spec)
+    UB = spec.scale_ub
+
+    def kernel(out, x, scales, scale, partials, p0, p1, d):
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        row = cuda.blockIdx.x
+        gv = cuda.local.array(UNIT, float32)
+        uv = cuda.local.array(UNIT, float32)
+        sm = cuda.shared.array(REDUCE_SCRATCH, float32)
+        i0, i1 = _row_view(x, row)
+        xr, orow = x[i0, i1], out[i0, i1]
+        nu = (d + (UNIT - 1)) >> 3
+        amax = ZERO
+        for u in range(int64(tid), nu, nt):
+            load(gv, uv, 0, xr, u << 3, d)
+            for k in range(UNIT):
+                amax = fmax_nan(amax, abs(gv[k]))
+        s = scale_from_amax(block_max(amax, sm), scale[0] if UB else ZERO, UB)
+        if tid == 0:
+            scales[row, 0] = s
+        rs = ONE / s
+        for u in range(int64(tid), nu, nt):
+            load(gv, uv, 0, xr, u << 3, d)
+            for k in range(UNIT):
+                gv[k] = clamp_fp8(div_rn(gv[k], s, rs))
+            store_q(orow, u << 3, gv, 0, d)
+
+    kernel.__name__ = _name(spec)
+    return kernel
+
+
+def _amax(spec):
+    """First pass of the dynamic per-tensor quant: block ``(bx, by)`` folds ``max|x|`` over rows
+    ``bx, bx + gx, ...`` and units ``by*T + t, ... (step gy*T)``, and writes it to
+    ``partials[by*gx + bx]`` (every slot is written: no zeroing, no atomics, deterministic)."""
+    load, _, _ = _io(spec)
+
+    def kernel(out, x, scales, scale, partials, p0, p1, d):
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        gx = cuda.gridDim.x
+        gy = cuda.gridDim.y
+        gv = cuda.local.array(UNIT, float32)
+        uv = cuda.local.array(UNIT, float32)
+        sm = cuda.shared.array(REDUCE_SCRATCH, float32)
+        nu = (d + (UNIT - 1)) >> 3
+        amax = ZERO
+        for row in range(int64(cuda.blockIdx.x), int64(x.shape[0]) * x.shape[1], gx):
+            i0, i1 = _row_view(x, row)
+            xr = x[i0, i1]
+            for u in range(int64(cuda.blockIdx.y) * nt + tid, nu, int64(gy) * nt):
+                load(gv, uv, 0, xr, u << 3, d)
+                for k in range(UNIT):
+                    amax = fmax_nan(amax, abs(gv[k]))
+        amax = block_max(amax, sm)
+        if tid == 0:
+            partials[int64(cuda.blockIdx.y) * gx + cuda.blockIdx.x] = amax
+
+    kernel.__name__ = _name(spec)
+    return kernel
+
+
+# ---------------------------------------------------------------- dequantisation
+@dataclass(frozen=True)
+class DequantSpec:
+    kind: str  # output dtype: bf16, f16, f32
+
+
+DEQUANT_EPT = 4  # elements a thread converts
+
+
+def dequant_argtypes(spec):
+    store = {"bf16": "uint16", "f16": "uint16", "f32": "float32"}[spec.kind]
+    return (L.array_type(store, 3), L.array_type("uint8", 3), L.array_type("float32", 2),
+            L.i64(0).numba_type, L.i64(0).numba_type)
+
+
+def dequant_kernel(spec):
+    """``out[row, e] = r(f(q[row, e]) * scale[row, e // group])``: ``scale`` is a ``[rows, G]``
+    view (strides 0 broadcast a per-tensor or per-token scale). Block ``(row, c)``, thread ``t``
+    converts elements ``c*T*4 + t + j*T``, ``j < 4`` (coalesced)."""
+    enc = CODECS[spec.kind].encode
+
+    def kernel(out, q, scale, group, d):
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        row = cuda.blockIdx.x
+        i0, i1 = _row_view(q, row)
+        qr, orow = q[i0, i1], out[i0, i1]
+        first = int64(cuda.blockIdx.y) * nt * DEQUANT_EPT + tid
+        for j in range(DEQUANT_EPT):
+            e = first + j * nt
+            if e < d:
+                orow[e] = enc(e4m3_to_f32(qr[e]) * scale[row, e // group])
+
+    kernel.__name__ = f"fp8_dequant_{spec.kind}"
+    return kernel
+
+
+# ---------------------------------------------------------------- declared variants
+def op_specs():
+    """Every ActSpec the ops launch, layout and width left to the launcher (``layout="vector"``,
+    ``upt`` the chunk/amax default): one per (op, dtype, option)."""
+    specs = []
+    for kind in KINDS:
+        specs += [ActSpec(kind, act) for act in GATED]
+        specs.append(ActSpec(kind, "silu", "static"))
+        for g in GROUP_SIZES:
+            for ue in (False, True):
+                specs.append(ActSpec(kind, "silu", "group", group=g, ue8m0=ue))
+                specs.append(ActSpec(kind, "none", "group", group=g, ue8m0=ue))
+            specs.append(ActSpec(kind, "silu", "group", numerics="per_block", group=g))
+        specs += [ActSpec(kind, "none", "static"), ActSpec(kind, "none", "tensor"),
+                  ActSpec(kind, "none", "amax", upt=1)]
+        specs += [ActSpec(kind, "none", "token", scale_ub=ub, upt=TOKEN_UPT[0]) for ub in (False, True)]
+    return specs
+
+
+def variants():
+    """Every ``(factory, spec, argtypes)`` the family's ops can launch (the PTX test compiles
+    them all): both layouts of every op spec, every per-token width (vector layout) and the
+    reread loop (both layouts), and the dequantisation kernels."""
+    import dataclasses
+    out = []
+    for base in op_specs():
+        for layout in ("vector", "scalar"):
+            if base.quant == "token":
+                widths = (TOKEN_UPT + (0,)) if layout == "vector" else (0,)
+            else:
+                widths = (base.upt,)
+            for upt in widths:
+                spec = dataclasses.replace(base, layout=layout, upt=upt)
+                out.append((act_quant_kernel, spec, argtypes(spec)))
+    for kind in KINDS:
+        spec = DequantSpec(kind)
+        out.append((dequant_kernel, spec, dequant_argtypes(spec)))
+    return out

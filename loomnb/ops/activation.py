@@ -1,0 +1,759 @@
+"""Activation family and FP8 quantisation: the gated activations (``silu_and_mul`` and its vLLM
+siblings), the standalone FP8 E4M3 quantisers, their fused forms, and dequantisation.
+
+Numerically interchangeable with vLLM's CUDA ops called eagerly (``csrc/activation_kernels.cu``,
+``csrc/quantization/fp8/common.cu``, ``per_token_group_quant.cu``,
+``csrc/quantization/activation_kernels.cu``): the gated activations round to the activation dtype
+after the activation and after the multiply (``F.silu(g) * u`` in torch eager has the same two
+rounding points); static and dynamic per-tensor quant multiply by ``1/scale``, per-token and
+per-token-group quant divide; NaN becomes +448 (per-tensor, per-token) or -448 (group); the sign
+of zero is kept. ``docs/numerics.md`` has the family's numerics in one place and
+``loomnb.oracle.activation`` is the executable reference.
+
+All kernels come from one factory (``_activation_kernels.act_quant_kernel``): an elementwise
+source (the activation, or ``x`` itself) feeding a sink (store as T, or a static, per-tensor,
+per-token or per-token-group FP8 quantiser), so a fused op is the same kernel with another source.
+
+Bytes moved (the benchmark's model), per row of ``d`` outputs and element size ``b``:
+``*_and_mul`` reads ``2·d·b`` and writes ``d·b``; the FP8 quantisers read ``d·b`` and write ``d``
+bytes (+4 per scale); the fused group op reads ``2·d·b`` and writes ``d + 4·d/g``. The dynamic
+per-tensor quant reads ``x`` twice (a global amax must be complete before any element is
+quantised).
+
+Rows: the last dimension must be contiguous; leading dimensions may have any strides that merge
+into at most two strided dimensions. Rows whose start is 16-byte aligned (8 for FP8 outputs) and
+whose length is a multiple of 8 move 16 bytes per load and store; any other row (``d = 3420``
+bf16, whose second half starts 6,840 bytes in) takes the element-wise layout -- never a
+misaligned vector access.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from .. import _adapter as ad
+from .._dtypes import ACTIVATION_KINDS
+from ..checks import check_eps, check_kind, check_same_device
+from . import _contract as C
+from . import _launch as L
+from ._activation_kernels import (CHUNK_UPT, DEQUANT_EPT, GROUP_SIZES, NUMERICS, TOKEN_UPT, UNIT,
+                                  ActSpec, DequantSpec, act_quant_kernel, dequant_kernel)
+from ._torch_ops import torch_op
+
+__all__ = ["silu_and_mul", "mul_and_silu", "gelu_and_mul", "gelu_tanh_and_mul", "fatrelu_and_mul",
+           "swigluoai_and_mul", "silu_and_mul_quant", "static_scaled_fp8_quant",
+           "dynamic_scaled_fp8_quant", "dynamic_per_token_scaled_fp8_quant",
+           "per_token_group_quant_fp8", "per_token_group_fp8_quant",
+           "silu_and_mul_per_token_group_quant_fp8", "scaled_fp8_dequant"]
+
+CHUNK_THREADS = 128      # threads of a chunked block (large batches)
+SMALL_CHUNK_THREADS = 64  # ... when the whole call is a few blocks' work (latency-bound)
+SMALL_WORK = 132 * 256    # units of 8 outputs under which a call counts as small
+SMALL_BATCH = 256         # rows under which the per-token quant prefers 2 units a thread
+AMAX_THREADS = 256        # threads of a block of the dynamic per-tensor amax pass
+AMAX_BLOCKS = 512         # at most this many partial maxima (the second pass reduces them all)
+MAX_CHUNKS = 65535        # gridDim.y
+DEQUANT_THREADS = 128
+
+
+def _ceil32(n):
+    return max(32, -(-n // 32) * 32)
+
+
+def chunk_config(num_rows, units, threads=None):
+    """(threads, chunks) of the chunked kernels: a block covers ``threads * 2`` units of 8
+    outputs of one row, ``chunks`` blocks a row (``gridDim = (num_rows, chunks)``)."""
+    if threads is None:
+        want = SMALL_CHUNK_THREADS if num_rows * units <= SMALL_WORK else CHUNK_THREADS
+        threads = min(want, _ceil32(-(-units // CHUNK_UPT)))
+    return threads, max(1, -(-units // (threads * CHUNK_UPT)))
+
+
+def token_config(num_rows, units, vector, threads=None):
+    """(threads, upt) of the per-token quant: one block a row, ``upt`` units of 8 a thread held
+    in registers (2 for small batches, 4 for large ones), or ``upt = 0``: a loop that reads the
+    row twice (rows of more than 4 x 1024 units, or the element-wise layout)."""
+    if not vector:
+        return threads or min(1024, _ceil32(units)), 0
+    if threads:
+        return threads, next((u for u in TOKEN_UPT if u * threads >= units), 0)
+    prefs = TOKEN_UPT if num_rows <= SMALL_BATCH else TOKEN_UPT[::-1]
+    for upt in prefs:
+        t = _ceil32(-(-units // upt))
+        if t <= 1024:
+            return t, upt
+    return 1024, 0
+
+
+def amax_config(num_rows, units, threads=None):
+    """(threads, grid) of the dynamic per-tensor amax pass: at most ``AMAX_BLOCKS`` blocks
+    (each folds a strided share of rows x units into one partial maximum)."""
+    threads = threads or AMAX_THREADS
+    gy = max(1, min(-(-units // threads), AMAX_BLOCKS))
+    gx = max(1, min(num_rows, AMAX_BLOCKS // gy))
+    return threads, (gx, gy)
+
+
+# ---------------------------------------------------------------- shared plumbing
+def _r3(a, lead):
+    """A row view ``lead + (n,)`` as the kernels' 3-D ``[n0, n1, n]`` (``n0 = 1``, stride 0)."""
+    if len(lead) == 2:
+        return a
+    return a.view((1,) + a.shape, (0,) + a.strides)
+
+
+def _input(op, x_obj, name="x"):
+    x = ad.wrap(op, name, x_obj)
+    check_kind(op, name, x, ACTIVATION_KINDS)
+    if x.ndim < 1:
+        C.fail_value(op, name, "an array of shape [..., d]", "a 0-D array")
+    return x
+
+
+def _gated_input(op, x_obj):
+    x = _input(op, x_obj)
+    if x.shape[-1] % 2:
+        C.fail_value(op, "x", "of shape [..., 2*d] (an even last dimension)",
+                     f"shape {list(x.shape)}")
+    return x, x.shape[-1] // 2
+
+
+def _rows_of(op, out, x, d, gated):
+    """(lead, out view, x view) of ``out [..., d]`` and ``x [..., 2d]`` (or ``[..., d]``),
+    their leading dimensions merged alike."""
+    xh = x.view(x.shape[:-1] + (d,), x.strides) if gated else x
+    lead, (ov, xv) = C.rows(op, [("out", out), ("x", xh)])
+    if gated:
+        xv = xv.view(xv.shape[:-1] + (2 * d,), xv.strides)
+    return lead, ov, xv
+
+
+def _num(lead):
+    n = 1
+    for v in lead:
+        n *= v
+    return n
+
+
+def _vector_ok(ov, xv, d, fp8_out):
+    """16-byte units for every row: d a multiple of 8, rows 16-byte aligned (FP8 rows 8)."""
+    return (d % UNIT == 0 and C.vectors_ok(xv)
+            and C.vectors_ok(ov, unit=8 if fp8_out else C.VECTOR_BYTES))  # 8 FP8 codes: 8 bytes
+
+
+def _storage(kind):
+    return {"bf16": "uint16", "f16": "uint16", "f32": "float32", "fp8": "uint8", "u8": "uint8"}[kind]
+
+
+def _launch(op, spec, lead, ov, xv, d, *, scales=None, scale=None, partials=None, p0=0.0,
+            p1=0.0, grid, threads, stream, key, part=(0, 1)):
+    vec = spec.layout == "vector"
+    params = [L.array(_r3(ov, lead), words=vec), L.array(_r3(xv, lead), words=vec),
+              scales if scales is not None else L.absent("float32", 2),
+              L.array(scale) if scale is not None else L.absent("float32", 1),
+              L.array(partials) if partials is not None else L.absent("float32", 1),
+              L.f32(p0), L.f32(p1), L.i64(d)]
+    L.launch(act_quant_kernel, spec, grid, threads, params, like=xv, stream=stream, key=key,
+             part=part)
+
+
+def _chunked(op, spec, lead, ov, xv, d, stream, key, **kw):
+    """One launch of a chunked sink over every row (nothing for zero rows)."""
+    rows = _num(lead)
+    if rows == 0 or d == 0:
+        return
+    fp8 = spec.quant != "none"
+    vec = _vector_ok(ov, xv, d, fp8)
+    spec = dataclasses.replace(spec, layout="vector" if vec else "scalar")
+    units = -(-d // UNIT)
+    threads, chunks = chunk_config(rows, units, L.forced_threads())
+    if chunks > MAX_CHUNKS:
+        C.fail_value(op, "x", f"rows of at most {MAX_CHUNKS * threads * CHUNK_UPT * UNIT} elements",
+                     f"{d}")
+    _launch(op, spec, lead, ov, xv, d, grid=(rows, chunks), threads=threads, stream=stream,
+            key=key, **kw)
+
+
+def _fake_half(x, *_, **__):
+    return x.new_empty(x.shape[:-1] + (x.shape[-1] // 2,))
+
+
+def _fp8_dtype():
+    return ad._torch.float8_e4m3fn
+
+
+def _fake_fp8(x, *_, **__):
+    return x.new_empty(x.shape, dtype=_fp8_dtype())
+
+
+def _fake_fp8_half(x, *_, **__):
+    return x.new_empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=_fp8_dtype())
+
+
+# ---------------------------------------------------------------- gated activations
+def _act_and_mul(name, act, x, out, p0, p1, stream, key):
+    op = f"loomnb.{name}"
+    xa, d = _gated_input(op, x)
+    oa = C.output(op, "out", out, like=xa, kind=xa.kind, shape=xa.shape[:-1] + (d,))
+    C.no_overlap(op, {"out": oa}, {"x": xa})
+    lead, ov, xv = _rows_of(op, oa, xa, d, True)
+    _chunked(op, ActSpec(xa.kind, act), lead, ov, xv, d, stream, key, p0=p0, p1=p1)
+    return oa.obj
+
+
+_GATED_DOC = """
+
+    Args:
+        x: ``[..., 2*d]`` bf16, fp16 or fp32; last dimension contiguous, leading dimensions of any
+            strides that merge into two. Not modified.
+        out: optional ``[..., d]`` of ``x``'s dtype, last dimension contiguous; must not overlap
+            ``x``. Allocated when None.
+        stream: CUDA stream to launch on; default: the caller's current stream.
+
+    Returns ``out``. Mutates: ``out`` only. Raises ``LoomnbTypeError`` (a ``TypeError``) for a
+    wrong dtype or array type and ``LoomnbValueError`` (a ``ValueError``) for an odd last
+    dimension, shape, layout, device, aliasing or writability problems -- before any launch.
+    Zero rows (or ``d = 0``) is a no-op.
+"""
+
+
+@torch_op("Tensor x", outputs=("out",), fake=_fake_half)
+def silu_and_mul(x, out=None, *, stream=None):
+    """SwiGLU gating: ``out = r(f(r(silu(g))) * f(u))``, ``g = x[..., :d]`` (gate, first half),
+    ``u = x[..., d:]``, ``silu(g) = g / (1 + expf(-g))`` in float32 (IEEE division, libdevice
+    ``expf``); ``f`` widens to float32, ``r`` rounds to ``x``'s dtype (nearest even).
+
+    Matches vLLM ``torch.ops._C.silu_and_mul(out, input)`` and torch eager
+    ``F.silu(x[..., :d]) * x[..., d:]`` bit for bit (the same rounding points; NaN as the
+    canonical NaN). ``g = -inf`` gives NaN; ``g`` below about -88.7 gives ``-0.0 * u``.
+    """ + _GATED_DOC
+    if ad.is_compiling():
+        return silu_and_mul.traced(x=x, out=out, stream=stream)
+    k = L.key("silu_and_mul", (), x, out) if stream is None else None
+    if k is not None and (hit := L.replay(k)) is not None:
+        return out if out is not None else hit[0]
+    return _act_and_mul("silu_and_mul", "silu", x, out, 0.0, 0.0, stream, k)
+
+
+@torch_op("Tensor x", outputs=("out",), fake=_fake_half)
+def mul_and_silu(x, out=None, *, stream=None):
+    """``out = r(f(g) * f(r(silu(u))))``: SiLU on the *second* half (``g = x[..., :d]``,
+    ``u = x[..., d:]``), otherwise :func:`silu_and_mul`. Matches vLLM
+    ``torch.ops._C.mul_and_silu(out, input)``.
+    """ + _GATED_DOC
+    if ad.is_compiling():
+        return mul_and_silu.traced(x=x, out=out, stream=stream)
+    k = L.key("mul_and_silu", (), x, out) if stream is None else None
+    if k is not None and (hit := L.replay(k)) is not None:
+        return out if out is not None else hit[0]
+    return _act_and_mul("mul_and_silu", "mul_silu", x, out, 0.0, 0.0, stream, k)
+
+
+@torch_op("Tensor x", outputs=("out",), fake=_fake_half)
+def gelu_and_mul(x, out=None, *, stream=None):
+    """GeGLU: ``out = r(f(r(gelu(g))) * f(u))``, ``gelu(g) = (g * 0.5) * (1 + erff(g * M_SQRT1_2))``
+    in float32 (libdevice ``erff``; torch's exact GELU). Matches vLLM
+    ``torch.ops._C.gelu_and_mul(out, input)``.
+    """ + _GATED_DOC
+    if ad.is_compiling():
+        return gelu_and_mul.traced(x=x, out=out, stream=stream)
+    k = L.key("gelu_and_mul", (), x, out) if stream is None else None
+    if k is not None and (hit := L.replay(k)) is not None:
+        return out if out is not None else hit[0]
+    return _act_and_mul("gelu_and_mul", "gelu", x, out, 0.0, 0.0, stream, k)
+
+
+@torch_op("Tensor x", outputs=("out",), fake=_fake_half)
+def gelu_tanh_and_mul(x, out=None, *, stream=None):
+    """GeGLU with the tanh GELU: ``gelu(g) = (0.5 * g) * (1 + tanhf(BETA * fma(KAPPA, g*g*g, g)))``,
+    ``BETA = sqrt(2/pi)``, ``KAPPA = 0.044715`` (the FMA is the contraction nvcc makes in vLLM's
+    and torch's kernels), then as :func:`gelu_and_mul`. Matches vLLM
+    ``torch.ops._C.gelu_tanh_and_mul(out, input)``.
+    """ + _GATED_DOC
+    if ad.is_compiling():
+        return gelu_tanh_and_mul.traced(x=x, out=out, stream=stream)
+    k = L.key("gelu_tanh_and_mul", (), x, out) if stream is None else None
+    if k is not None and (hit := L.replay(k)) is not None:
+        return out if out is not None else hit[0]
+    return _act_and_mul("gelu_tanh_and_mul", "gelu_tanh", x, out, 0.0, 0.0, stream, k)
+
+
+@torch_op("Tensor x, float threshold=0.0", outputs=("out",), fake=_fake_half)
+def fatrelu_and_mul(x, threshold=0.0, out=None, *, stream=None):
+    """FATReLU gating: ``out = r(f(g if g > threshold else 0) * f(u))`` (NaN gate -> 0).
+    ``threshold``: a finite real number, used as float32. Matches vLLM
+    ``torch.ops._C.fatrelu_and_mul(out, input, threshold)``.
+    """ + _GATED_DOC
+    if ad.is_compiling():
+        return fatrelu_and_mul.traced(x=x, threshold=threshold, out=out, stream=stream)
+    k = L.key("fatrelu_and_mul", (threshold,), x, out) if stream is None else None
+    if k is not None and (hit := L.replay(k)) is not None:
+        return out if out is not None else hit[0]
+    t = C.real("loomnb.fatrelu_and_mul", "threshold", threshold)
+    return _act_and_mul("fatrelu_and_mul", "fatrelu", x, out, t, 0.0, stream, k)
+
+
+@torch_op("Tensor x, float alpha=1.702, float limit=7.0", outputs=("out",), fake=_fake_half)
+def swigluoai_and_mul(x, alpha=1.702, limit=7.0, out=None, *, stream=None):
+    """GPT-OSS's clamped SwiGLU on *interleaved* pairs ``g = x[..., 0::2]``, ``u = x[..., 1::2]``:
+    ``g' = fminf(g, limit)``, ``u' = fmaxf(fminf(u, limit), -limit)`` (a NaN becomes ``limit``),
+    ``out = r(((u' + 1) * g') / (1 + expf((-g') * alpha)))`` in float32, rounded once. ``alpha``
+    and ``limit``: finite reals, used as float32. Matches vLLM
+    ``torch.ops._C.swigluoai_and_mul(out, input, alpha, limit)`` (the formula of its vectorised
+    revision; an older one computed ``g' * sigmoid`` first, which can move the last bit).
+    """ + _GATED_DOC
+    if ad.is_compiling():
+        return swigluoai_and_mul.traced(x=x, alpha=alpha, limit=limit, out=out, stream=stream)
+    k = L.key("swigluoai_and_mul", (alpha, limit), x, out) if stream is None else None
+    if k is not None and (hit := L.replay(k)) is not None:
+        return out if out is not None else hit[0]
+    op = "loomnb.swigluoai_and_mul"
+    a, lim = C.real(op, "alpha", alpha), C.real(op, "limit", limit)
+    return _act_and_mul("swigluoai_and_mul", "swigluoai", x, out, a, lim, stream, k)
+
+
+# ---------------------------------------------------------------- static and fused static quant
+def _fp8_output(op, name, obj, like, shape):
+    return C.output(op, name, obj, like=like, kind=("fp8", "u8") if obj is not None else "fp8",
+                    shape=shape)
+
+
+@torch_op("Tensor x, Tensor scale", outputs=("out",), fake=_fake_fp8)
+def static_scaled_fp8_quant(x, scale, out=None, *, stream=None):
+    """Static per-tensor FP8 E4M3 quantisation: ``out = e4m3(clamp(f(x) * (1/scale)))``,
+    ``1/scale`` computed once in float32 (vLLM multiplies; it does not divide). Units: stored =
+    real / scale. NaN -> +448 (``fminf`` clamp); the sign of zero is kept (-0.0 -> 0x80).
+
+    Args:
+        x: ``[..., d]`` bf16/fp16/fp32, last dimension contiguous, leading dimensions as
+            :func:`silu_and_mul`. Not modified.
+        scale: float32 device array of one element (shape ``[]`` or ``[1]``). Not checked (a
+            device read): 0 gives +-448 (0/0 -> +448), a negative scale flips signs -- as vLLM.
+        out: optional ``[..., d]`` ``float8_e4m3fn`` (or ``uint8`` codes); allocated when None.
+        stream: as :func:`silu_and_mul`.
+
+    Returns ``out``. Mutates ``out``. Raises as :func:`silu_and_mul`. Matches vLLM
+    ``torch.ops._C.static_scaled_fp8_quant(result, input, scale)`` (per-tensor ``group_shape``).
+    """
+    if ad.is_compiling():
+        return static_scaled_fp8_quant.traced(x=x, scale=scale, out=out, stream=stream)
+    k = L.key("static_scaled_fp8_quant", (), x, scale, out) if stream is None else None
+    if k is not None and (hit := L.replay(k)) is not None:
+        return out if out is not None else hit[0]
+    op = "loomnb.static_scaled_fp8_quant"
+    xa = _input(op, x)
+    sa = C.one_element(op, "scale", scale, xa)
+    oa = _fp8_output(op, "out", out, xa, xa.shape)
+    C.no_overlap(op, {"out": oa}, {"x": xa, "scale": sa})
+    lead, ov, xv = _rows_of(op, oa, xa, xa.shape[-1], False)
+    _chunked(op, ActSpec(xa.kind, "none", "static"), lead, ov, xv, xa.shape[-1], stream, k,
+             scale=sa)
+    return oa.obj
+
+
+@torch_op("Tensor x, Tensor scale", outputs=("out",), fake=_fake_fp8_half)
+def silu_and_mul_quant(x, scale, out=None, *, stream=None):
+    """:func:`silu_and_mul` then :func:`static_scaled_fp8_quant`, in one pass:
+    ``out = e4m3(clamp(f(r(f(r(silu(g))) * f(u))) * (1/scale)))``. Bit-identical to the two ops.
+
+    Args:
+        x: ``[..., 2*d]`` bf16/fp16/fp32 as :func:`silu_and_mul`; not modified.
+        scale: float32 one-element device array (stored = real / scale); not checked.
+        out: optional ``[..., d]`` ``float8_e4m3fn`` (or ``uint8``); allocated when None.
+        stream: as :func:`silu_and_mul`.
+
+    Returns ``out``. Mutates ``out``. NaN -> +448. Raises as :func:`silu_and_mul`. Matches vLLM
+    ``torch.ops._C.silu_and_mul_quant(result, input, scale)`` (vLLM takes fp16/bf16 only).
+    """
+    if ad.is_compiling():
+        return silu_and_mul_quant.traced(x=x, scale=scale, out=out, stream=stream)
+    k = L.key("silu_and_mul_quant", (), x, scale, out) if stream is None else None
+    if k is not None and (hit := L.replay(k)) is not None:
+        return out if out is not None else hit[0]
+    op = "loomnb.silu_and_mul_quant"
+    xa, d = _gated_input(op, x)
+    sa = C.one_element(op, "scale", scale, xa)
+    oa = _fp8_output(op, "out", out, xa, xa.shape[:-1] + (d,))
+    C.no_overlap(op, {"out": oa}, {"x": xa, "scale": sa})
+    lead, ov, xv = _rows_of(op, oa, xa, d, True)
+    _chunked(op, ActSpec(xa.kind, "silu", "static"), lead, ov, xv, d, stream, k, scale=sa)
+    return oa.obj
+
+
+# ---------------------------------------------------------------- dynamic per-tensor
+def _fake_dynamic_tensor(x, *_, **__):
+    return _fake_fp8(x), x.new_empty((1,), dtype=ad._torch.float32)
+
+
+@torch_op("Tensor x", outputs=("out", "scale"), fake=_fake_dynamic_tensor)
+def dynamic_scaled_fp8_quant(x, out=None, *, scale=None, stream=None):
+    """Dynamic per-tensor FP8 E4M3 quantisation: ``scale = max|x| / 448`` over the whole tensor
+    (NaN ignored; no floor: an all-zero ``x`` gives ``scale = 0`` and codes +448, which
+    dequantise to 0), then ``out = e4m3(clamp(f(x) * (1/scale)))`` as
+    :func:`static_scaled_fp8_quant`.
+
+    Two launches and no host round trip: the first folds ``max|x|`` into at most 512 per-block
+    partial maxima (every slot written: no zeroing, no atomics, deterministic); the second
+    reduces them in every block and quantises (its first block writes ``scale``). Correct under
+    CUDA-graph capture (the partials are allocated per call, from the graph's pool when
+    capturing). ``x`` is read twice (once per pass).
+
+    Args:
+        x: ``[..., d]`` bf16/fp16/fp32, rows as :func:`silu_and_mul`; not modified.
+        out: optional ``[..., d]`` ``float8_e4m3fn`` (or ``uint8``); allocated when None.
+        scale: optional float32 ``[1]`` output; allocated when None.
+        stream: as :func:`silu_and_mul`.
+
+    Returns ``(out, scale)``. Mutates ``out`` and ``scale``. An empty ``x`` gives ``scale = 0``.
+    NaN -> +448. Raises as :func:`silu_and_mul`. Matches vLLM
+    ``torch.ops._C.dynamic_scaled_fp8_quant(result, input, scale)`` (whose caller zeroes
+    ``scale`` first: loomnb needs no such preparation).
+    """
+    if ad.is_compiling():
+        return dynamic_scaled_fp8_quant.traced(x=x, out=out, scale=scale, stream=stream)
+    k = L.key("dynamic_scaled_fp8_quant", (), x, out, scale) if stream is None else None
+    if k is not None and (hit := L.replay(k)) is not None:
+        q, _, s = L.fill(hit, out, None, scale)  # allocated in parameter order: out, partials, scale
+        return q, s
+    op = "loomnb.dynamic_scaled_fp8_quant"
+    xa = _input(op, x)
+    d = xa.shape[-1]
+    oa = _fp8_output(op, "out", out, xa, xa.shape)
+    sa = C.output(op, "scale", scale, like=xa, kind="f32", shape=(1,))
+    C.no_overlap(op, {"out": oa, "scale": sa}, {"x": xa})
+    lead, ov, xv = _rows_of(op, oa, xa, d, False)
+    rows, units = _num(lead), -(-d // UNIT)
+    vec = rows > 0 and _vector_ok(ov, xv, d, True)
+    layout = "vector" if vec else "scalar"
+    forced = L.forced_threads()
+    t1, grid1 = amax_config(rows, units, forced)
+    pa = C.output(op, "partials", None, like=xa, kind="f32", shape=(grid1[0] * grid1[1],))
+    t2, chunks = chunk_config(max(rows, 1), max(units, 1), forced)
+    _launch(op, ActSpec(xa.kind, "none", "amax", layout=layout, upt=1), lead, ov, xv, d,
+            partials=pa, grid=grid1, threads=t1, stream=stream, key=k, part=(0, 2))
+    _launch(op, ActSpec(xa.kind, "none", "tensor", layout=layout), lead, ov, xv, d, scale=sa,
+            partials=pa, grid=(max(rows, 1), chunks), threads=t2, stream=stream, key=k,
+            part=(1, 2))
+    return oa.obj, sa.obj
+
+
+# ---------------------------------------------------------------- dynamic per-token
+def _fake_per_token(x, *_, **__):
+    return _fake_fp8(x), x.new_empty((math.prod(x.shape[:-1]), 1), dtype=ad._torch.float32)
+
+
+@torch_op("Tensor x, Tensor? scale_ub=None", outputs=("out", "scales"), fake=_fake_per_token)
+def dynamic_per_token_scaled_fp8_quant(x, scale_ub=None, out=None, *, scales=None, stream=None):
+    """Dynamic per-token FP8 E4M3 quantisation: per row ``amax = max|f(x)|`` (NaN ignored),
+    ``scale = max(min(amax, scale_ub) / 448, 1/(448*512))`` (``scale_ub`` clips the amax,
+    despite its name; ``fminf``: a NaN bound is ignored), ``out = e4m3(clamp(f(x) / scale))``
+    with a correctly rounded division. NaN -> +448; -0.0 -> 0x80.
+
+    Args:
+        x: ``[..., d]`` bf16/fp16/fp32, rows as :func:`silu_and_mul`; not modified.
+        scale_ub: optional float32 one-element device array; not checked (a device read).
+        out: optional ``[..., d]`` ``float8_e4m3fn`` (or ``uint8``); allocated when None.
+        scales: optional float32 ``[num_tokens, 1]`` output (``num_tokens`` = the product of the
+            leading dimensions), any strides; allocated when None.
+        stream: as :func:`silu_and_mul`.
+
+    Returns ``(out, scales)``. Mutates ``out`` and ``scales``. Raises as :func:`silu_and_mul`.
+    Matches vLLM ``torch.ops._C.dynamic_per_token_scaled_fp8_quant(result, input, scale,
+    scale_ub)`` (its current revision, which divides; vLLM's amax is a float32 max, exact in any
+    order, so the scales are bit-identical too).
+    """
+    if ad.is_compiling():
+        return dynamic_per_token_scaled_fp8_quant.traced(x=x, scale_ub=scale_ub, out=out,
+                                                         scales=scales, stream=stream)
+    k = (L.key("dynamic_per_token_scaled_fp8_quant", (), x, scale_ub, out, scales)
+         if stream is None else None)
+    if k is not None and (hit := L.replay(k)) is not None:
+        return L.fill(hit, out, scales)
+    op = "loomnb.dynamic_per_token_scaled_fp8_quant"
+    xa = _input(op, x)
+    d = xa.shape[-1]
+    ua = C.one_element(op, "scale_ub", scale_ub, xa) if scale_ub is not None else None
+    rows = _num(xa.shape[:-1])
+    oa = _fp8_output(op, "out", out, xa, xa.shape)
+    sa = C.output(op, "scales", scales, like=xa, kind="f32", shape=(rows, 1))
+    C.no_overlap(op, {"out": oa, "scales": sa}, {"x": xa, "scale_ub": ua})
+    lead, ov, xv = _rows_of(op, oa, xa, d, False)
+    if rows == 0:
+        return oa.obj, sa.obj
+    units = -(-d // UNIT) if d else 0
+    vec = d > 0 and _vector_ok(ov, xv, d, True)
+    threads, upt = token_config(rows, max(units, 1), vec, L.forced_threads())
+    spec = ActSpec(xa.kind, "none", "token", scale_ub=ua is not None,
+                   layout="vector" if vec else "scalar", upt=upt)
+    _launch(op, spec, lead, ov, xv, d, scales=L.array(sa), scale=ua, grid=(rows, 1),
+            threads=threads, stream=stream, key=k)
+    return oa.obj, sa.obj
+
+
+# ---------------------------------------------------------------- per-token-group
+def _group_args(op, x, group_size, eps, column_major, tma, ue8m0, d):
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        C.fail_type(op, "group_size", "an int", repr(group_size))
+    if group_size not in GROUP_SIZES:
+        C.fail_value(op, "group_size", "one of " + ", ".join(map(str, GROUP_SIZES)), repr(group_size))
+    if d % group_size:
+        C.fail_value(op, "group_size", f"a divisor of the last dimension of the output (d = {d})",
+                     repr(group_size))
+    eps = check_eps(op, eps)
+    for name, v in (("column_major_scales", column_major), ("tma_aligned_scales", tma),
+                    ("use_ue8m0", ue8m0)):
+        if not isinstance(v, bool):
+            C.fail_type(op, name, "a bool", repr(v))
+    if (column_major or tma) and x.ndim != 2:
+        C.fail_value(op, "x", "2-D [num_tokens, d] with column-major or TMA-aligned scales",
+                     f"shape {list(x.shape)}")
+    return eps
+
+
+def _flat2d(op, name, a, rows, cols):
+    """``a [..., cols]`` as the 2-D ``[rows, cols]`` view the kernels index (any strides; the
+    leading dimensions must merge into one)."""
+    if a.ndim == 2:
+        return a
+    dims = [(n, s) for n, s in zip(a.shape[:-1], a.strides[:-1]) if n != 1]
+    for (_, s0), (n1, s1) in zip(dims, dims[1:]):
+        if s0 != s1 * n1:
+            C.fail_value(op, name, "an array whose leading dimensions merge into one",
+                         f"shape {list(a.shape)} with strides {list(a.strides)}")
+    return a.view((rows, cols), (dims[-1][1] if dims else 0, a.strides[-1] if a.ndim else 0))
+
+
+def _group_scales(op, out_s, xa, lead_shape, groups, column_major, tma):
+    """(scales Arr, its 2-D ``[rows, G]`` kernel view): allocated in the requested layout
+    (column-major and TMA-aligned as a ``[G, rows']`` buffer seen transposed), or the caller's
+    array -- any strides, whose own layout is used whatever the flags say."""
+    rows = _num(lead_shape)
+    if out_s is None and (column_major or tma):
+        mp = -(-rows // 4) * 4 if tma else rows
+        full = C.output(op, "out_s", None, like=xa, kind="f32", shape=(groups, mp))
+        return full, full.view((rows, groups), (1, mp))
+    sa = C.output(op, "out_s", out_s, like=xa, kind="f32", shape=tuple(lead_shape) + (groups,))
+    return sa, _flat2d(op, "out_s", sa, rows, groups)
+
+
+def _group_quant(op, act, numerics, xa, d, group_size, eps, column_major, tma, ue8m0, out_q, out_s,
+                 stream, key):
+    eps = _group_args(op, xa, group_size, eps, column_major, tma, ue8m0, d)
+    spec = ActSpec(xa.kind, act, "group", numerics=numerics, group=group_size, ue8m0=ue8m0)
+    qa = _fp8_output(op, "out_q", out_q, xa, xa.shape[:-1] + (d,))
+    sa, sv = _group_scales(op, out_s, xa, xa.shape[:-1], d // group_size, column_major, tma)
+    C.no_overlap(op, {"out_q": qa, "out_s": sa}, {"x": xa})
+    lead, ov, xv = _rows_of(op, qa, xa, d, act != "none")
+    _chunked(op, spec, lead, ov, xv, d, stream, key, scales=L.array(sv), p0=eps)
+    if out_s is None and (column_major or tma):
+        return qa.obj, sa.obj[:, :_num(xa.shape[:-1])].T
+    return qa.obj, sa.obj
+
+
+def _fake_group(x, group_size, eps=1e-10, column_major_scales=False, tma_aligned_scales=False,
+                use_ue8m0=False, *_, half=False, **__):
+    torch = ad._torch
+    d = x.shape[-1] // 2 if half else x.shape[-1]
+    q = x.new_empty(x.shape[:-1] + (d,), dtype=torch.float8_e4m3fn)
+    g = d // group_size
+    if not (column_major_scales or tma_aligned_scales):
+        return q, x.new_empty(x.shape[:-1] + (g,), dtype=torch.float32)
+    m = x.shape[0]
+    mp = -(-m // 4) * 4 if tma_aligned_scales else m
+    return q, torch.empty_strided((m, g), (1, mp), dtype=torch.float32, device=x.device)
+
+
+def _fake_group_fused(x, group_size, *a, **k):
+    return _fake_group(x, group_size, *a, half=True, **k)
+
+
+def _group_key(tag, group_size, eps, column_major, tma, ue8m0, numerics, x, out_q, out_s):
+    opt = f"{group_size!r}|{column_major!r}|{tma!r}|{ue8m0!r}|{numerics!r}"
+    return L.key(tag, (eps, opt), x, out_q, out_s)
+
+
+def _group_replay(hit, out_q, out_s, column_major, tma, rows):
+    q, s = L.fill(hit, out_q, out_s)
+    if out_s is None and (column_major or tma):
+        s = s[:, :rows].T
+    return q, s
+
+
+@torch_op("Tensor x, int group_size, float eps=1e-10, bool column_major_scales=False, "
+          "bool tma_aligned_scales=False, bool use_ue8m0=False", outputs=("out_q", "out_s"),
+          fake=_fake_group)
+def per_token_group_quant_fp8(x, group_size, eps=1e-10, column_major_scales=False,
+                              tma_aligned_scales=False, use_ue8m0=False, out_q=None, out_s=None,
+                              *, stream=None):
+    """Per-token-group FP8 E4M3 quantisation (DeepSeek-style 1 x ``group_size`` blocks).
+
+    Per group of ``group_size`` consecutive elements of a row: ``a = fmaxf(eps, max|f(x)|)``
+    (eps floors the amax; NaN ignored), ``scale = a / 448``; with ``use_ue8m0``, ``scale =
+    exp2f(ceilf(log2f(fmaxf(scale, 1e-10))))`` (libdevice ``log2f``: a scale just above a power
+    of two may round down to it -- never "the next power of two from the exponent bits");
+    ``q = e4m3(fminf(fmaxf(f(x) / scale, -448), 448))`` -- correctly rounded division, NaN ->
+    **-448**, -0.0 -> 0x80.
+
+    Args:
+        x: ``[..., d]`` bf16/fp16/fp32, rows as :func:`silu_and_mul`; ``d % group_size == 0``.
+            2-D ``[num_tokens, d]`` for column-major or TMA-aligned scales. Not modified.
+        group_size: 64 or 128 (an ``int``).
+        eps: absolute floor of the amax (finite, >= 0).
+        column_major_scales: allocate the scales as ``[d/g, num_tokens]`` memory, returned as the
+            ``[num_tokens, d/g]`` view with strides ``(1, num_tokens)`` (CUTLASS/DeepGEMM).
+        tma_aligned_scales: column-major with the column stride rounded up to a multiple of 4
+            (strides ``(1, round_up(num_tokens, 4))``; the padding is left unwritten).
+        use_ue8m0: round every scale up to a power of two (stored as float32).
+        out_q: optional ``[..., d]`` ``float8_e4m3fn`` (or ``uint8``); allocated when None.
+        out_s: optional float32 scales, ``[..., d/g]`` of any strides whose leading dimensions
+            merge (a 2-D ``[num_tokens, d/g]`` of any strides: its own layout is used whatever
+            the flags say); allocated as the flags say when None.
+        stream: as :func:`silu_and_mul`.
+
+    Returns ``(q, scales)``. Mutates ``out_q``/``out_s``. Raises as :func:`silu_and_mul`, and
+    ``LoomnbValueError`` for a group size that is not 64 or 128 or does not divide ``d``.
+    Matches vLLM ``per_token_group_quant_fp8`` (``torch.ops._C.per_token_group_fp8_quant``,
+    its CUDA path); vLLM's Triton fallback (non-contiguous input) multiplies by ``1/448`` and
+    can differ in the last bit of a scale. Also exported as ``per_token_group_fp8_quant``.
+    """
+    if ad.is_compiling():
+        return per_token_group_quant_fp8.traced(
+            x=x, group_size=group_size, eps=eps, column_major_scales=column_major_scales,
+            tma_aligned_scales=tma_aligned_scales, use_ue8m0=use_ue8m0, out_q=out_q, out_s=out_s,
+            stream=stream)
+    k = (_group_key("ptgq", group_size, eps, column_major_scales, tma_aligned_scales, use_ue8m0,
+                    "unfused", x, out_q, out_s) if stream is None else None)
+    if k is not None and (hit := L.replay(k)) is not None:
+        return _group_replay(hit, out_q, out_s, column_major_scales, tma_aligned_scales,
+                             x.shape[0])
+    op = "loomnb.per_token_group_quant_fp8"
+    xa = _input(op, x)
+    return _group_quant(op, "none", "unfused", xa, xa.shape[-1], group_size, eps,
+                        column_major_scales, tma_aligned_scales, use_ue8m0, out_q, out_s, stream, k)
+
+
+per_token_group_fp8_quant = per_token_group_quant_fp8
+
+
+@torch_op("Tensor x, int group_size, float eps=1e-10, bool column_major_scales=False, "
+          "bool tma_aligned_scales=False, bool use_ue8m0=False, *, str numerics='unfused'",
+          outputs=("out_q", "out_s"), fake=_fake_group_fused)
+def silu_and_mul_per_token_group_quant_fp8(x, group_size, eps=1e-10, column_major_scales=False,
+                                           tma_aligned_scales=False, use_ue8m0=False, out_q=None,
+                                           out_s=None, *, numerics="unfused", stream=None):
+    """:func:`silu_and_mul` then :func:`per_token_group_quant_fp8`, in one pass over ``x``
+    (``[..., 2*d]`` in, ``[..., d]`` FP8 and its scales out; the activation never goes to memory).
+
+    ``numerics="unfused"`` (default): bit-identical to the two ops (the activation rounded to
+    ``x``'s dtype twice, as :func:`silu_and_mul`). ``numerics="per_block"``: the numerics of
+    vLLM's fused ``silu_and_mul_per_block_quant`` -- ``y = (g * (1 / (1 + expf(-g)))) * u`` kept
+    in float32 (no rounding to T), ``scale = fmaxf(max|y| / 448, 1e-10)`` (``eps`` unused),
+    ``q = e4m3(y / scale)`` with no clamp (NaN -> NaN 0x7F); not with ``use_ue8m0``.
+
+    Arguments, layouts, returns and errors as :func:`per_token_group_quant_fp8` (``d`` is half
+    of ``x``'s last dimension). Matches vLLM ``silu_and_mul`` followed by
+    ``per_token_group_fp8_quant`` (default) or ``torch.ops._C.silu_and_mul_per_block_quant``
+    (``"per_block"``, without its ``scale_ub``).
+    """
+    if ad.is_compiling():
+        return silu_and_mul_per_token_group_quant_fp8.traced(
+            x=x, group_size=group_size, eps=eps, column_major_scales=column_major_scales,
+            tma_aligned_scales=tma_aligned_scales, use_ue8m0=use_ue8m0, out_q=out_q, out_s=out_s,
+            numerics=numerics, stream=stream)
+    k = (_group_key("samptgq", group_size, eps, column_major_scales, tma_aligned_scales,
+                    use_ue8m0, numerics, x, out_q, out_s) if stream is None else None)
+    if k is not None and (hit := L.replay(k)) is not None:
+        return _group_replay(hit, out_q, out_s, column_major_scales, tma_aligned_scales,
+                             x.shape[0])
+    op = "loomnb.silu_and_mul_per_token_group_quant_fp8"
+    xa, d = _gated_input(op, x)
+    C.choice(op, "numerics", numerics, NUMERICS)
+    if numerics == "per_block" and use_ue8m0 is True:
+        C.fail_value(op, "use_ue8m0", "False with numerics='per_block' (vLLM's "
+                     "silu_and_mul_per_block_quant has no UE8M0 scales)", "True")
+    return _group_quant(op, "silu", numerics, xa, d, group_size, eps, column_major_scales,
+                        tma_aligned_scales, use_ue8m0, out_q, out_s, stream, k)
+
+
+# ---------------------------------------------------------------- dequantisation
+_DEQUANT_KINDS = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "bf16": "bf16",
+                  "f16": "f16", "f32": "f32", "half": "f16", "float": "f32"}
+
+
+def _dequant_kind(op, dtype):
+    if isinstance(dtype, str):
+        name = dtype
+    elif ad._torch is not None and isinstance(dtype, ad._torch.dtype):
+        name = str(dtype).replace("torch.", "")
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = None
+    kind = _DEQUANT_KINDS.get(name)
+    if kind is None:
+        C.fail_type(op, "dtype", "bfloat16, float16 or float32", repr(dtype))
+    return kind
+
+
+def _fake_dequant(q, scale, dtype, *_, **__):
+    return q.new_empty(q.shape, dtype=dtype)
+
+
+@torch_op("Tensor q, Tensor scale, ScalarType dtype", outputs=("out",), fake=_fake_dequant)
+def scaled_fp8_dequant(q, scale, dtype, *, out=None, stream=None):
+    """FP8 E4M3 dequantisation: ``out = r(f(q) * scale)`` rounded once to ``dtype``, for every
+    scale layout the quantisers produce: one element (per tensor), ``[..., 1]`` (per token) or
+    ``[..., G]`` with ``G`` dividing ``d`` (per group of ``d/G``; any strides, so row-major,
+    column-major and TMA-aligned scales all work). NaN codes give NaN.
+
+    Args:
+        q: ``[..., d]`` ``float8_e4m3fn`` (or ``uint8`` codes), rows as :func:`silu_and_mul`.
+        scale: float32 scales in one of the layouts above, on ``q``'s device. Not modified.
+        dtype: the output dtype: bfloat16, float16 or float32 (a torch or NumPy dtype, or its
+            name).
+        out: optional ``[..., d]`` output of ``dtype``; allocated when None.
+        stream: as :func:`silu_and_mul`.
+
+    Returns ``out``. Raises as :func:`silu_and_mul`, and ``LoomnbValueError`` for a scale of
+    another shape. For tests and users (vLLM has no such op; its GEMMs take the scales).
+    """
+    if ad.is_compiling():
+        return scaled_fp8_dequant.traced(q=q, scale=scale, dtype=dtype, out=out, stream=stream)
+    k = L.key("scaled_fp8_dequant", (str(dtype),), q, scale, out) if stream is None else None
+    if k is not None and (hit := L.replay(k)) is not None:
+        return out if out is not None else hit[0]
+    op = "loomnb.scaled_fp8_dequant"
+    qa = ad.wrap(op, "q", q)
+    check_kind(op, "q", qa, ("fp8", "u8"))
+    if qa.ndim < 1:
+        C.fail_value(op, "q", "an array of shape [..., d]", "a 0-D array")
+    kind = _dequant_kind(op, dtype)
+    sa = ad.wrap(op, "scale", scale)
+    check_kind(op, "scale", sa, ("f32",))
+    check_same_device(op, "scale", sa, "q", qa)
+    d, lead_shape = qa.shape[-1], qa.shape[:-1]
+    rows = _num(lead_shape)
+    if sa.size == 1:
+        sv, groups = sa.view((rows, 1), (0, 0)), 1
+    else:
+        groups = sa.shape[-1] if sa.ndim else 0
+        if tuple(sa.shape[:-1]) != tuple(lead_shape) or groups == 0 or d % groups:
+            C.fail_value(op, "scale", f"one element, [..., 1] or [..., G] with G dividing {d} "
+                         f"(leading dimensions {list(lead_shape)})", f"shape {list(sa.shape)}")
+        sv = _flat2d(op, "scale", sa, rows, groups)
+    oa = C.output(op, "out", out, like=qa, kind=kind, shape=qa.shape, like_name="q")
+    C.no_overlap(op, {"out": oa}, {"q": qa, "scale": sa})
+    lead, (ov, qv) = C.rows(op, [("out", oa), ("q", qa)])
+    if rows == 0 or d == 0:
+        return oa.obj
+    threads = L.forced_threads() or min(DEQUANT_THREADS, _ceil32(d))
+    chunks = -(-d // (threads * DEQUANT_EPT))
+    params = [L.array(_r3(ov, lead)), L.array(_r3(qv, lead)), L.array(sv),
+              L.i64(d // groups), L.i64(d)]
+    L.launch(dequant_kernel, DequantSpec(kind), (rows, chunks), threads, params, like=qa,
+             stream=stream, key=k)
+    return oa.obj
