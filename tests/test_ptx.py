@@ -57,7 +57,7 @@ def _activation_checks(spec, ptx):
     if type(spec).__name__ == "DequantSpec":
         return
     if spec.layout == "vector":
-        assert "ld.v4.u32" in ptx, "16-byte loads"
+        assert "ld.v4.u32" in ptx or "ld.v4.f32" in ptx, "16-byte loads"
         if spec.quant != "amax":
             assert ("st.v4.u32" if spec.quant == "none" else "st.v2.u32") in ptx, "vector stores"
     if spec.act in ("silu", "mul_silu", "swigluoai"):
