@@ -6,7 +6,7 @@ assumptions change. What we rely on:
 
 1. **Inline PTX through ``numba.cuda.extending.intrinsic``** (llvmlite ``InlineAsm``): Hopper's
    packed conversions ``cvt.rn.bf16x2.f32``, ``cvt.rn.f16x2.f32``,
-   ``cvt.rn.satfinite.e4m3x2.f32`` and ``cvt.f32.f16``, and 16-byte vector loads/stores
+   ``cvt.rn.satfinite.e4m3x2.f32``, ``cvt.rn.f16x2.e4m3x2`` and ``cvt.f32.f16``, and 16-byte vector loads/stores
    (``ld.global.v4.u32``, ``v2``) on 1-D ``uint32`` row views. Each has a portable twin in
    :mod:`loomnb.layouts.dtypes`, and a GPU test proves them bit-identical.
 2. **The kernel parameter ABI** (``_Kernel._prepare_args``): a kernel argument of type
@@ -74,6 +74,19 @@ if not SIM:
         def codegen(context, builder, sig, args):
             h = _asm(builder, _i16, [_f32, _f32], "cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;", "=h,f,f", args)
             return builder.zext(h, _i32)
+
+        return sig, codegen
+
+    @intrinsic
+    def cvt_f16x2_e4m3x2(typingctx, bits):
+        """Two FP8 E4M3 codes (the low 16 bits of a uint32) -> two fp16 packed in a uint32
+        (``cvt.rn.f16x2.e4m3x2``, sm_89+; exact: E4M3 is a subset of fp16): the code in bits
+        15..8 becomes bits 31..16, the code in bits 7..0 bits 15..0."""
+        sig = types.uint32(types.uint32)
+
+        def codegen(context, builder, sig, args):
+            h = builder.trunc(args[0], _i16)
+            return _asm(builder, _i32, [_i16], "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [h])
 
         return sig, codegen
 

@@ -94,7 +94,20 @@ def _rope_cache_checks(spec, ptx):
         assert re.search(r"ld(\.global)?\.v4\.u32", ptx) and re.search(r"st(\.global)?\.v[24]\.u32", ptx)
 
 
-FAMILY_CHECKS = {"_norm_kernels": _norm_checks, "_sampling_kernels": _sampling_checks, "_activation_kernels": _activation_checks, "_rope_cache_kernels": _rope_cache_checks}
+def _attention_checks(spec, ptx):
+    if type(spec).__name__ == "DecodeSpec":
+        assert "shfl.sync.bfly.b32" in ptx and "bar.sync" in ptx, "lane-group and warp merges"
+        assert "ex2.approx" in ptx, "the online softmax runs in base 2"
+        assert ("ld.v4.u32" in ptx or "ld.global.v4.u32" in ptx) == (spec.path == "vec")
+        if spec.cache == "fp8":
+            assert "cvt.rn.f16x2.e4m3x2" in ptx, "FP8 decoded by the hardware pair conversion"
+    else:
+        assert "fma.rn.f32" in ptx or "ex2.approx" in ptx
+    if spec.kind in ("bf16", "f16"):
+        assert f"cvt.rn.{spec.kind}x2.f32" in ptx, "the output rounded by the hardware"
+
+
+FAMILY_CHECKS = {"_norm_kernels": _norm_checks, "_sampling_kernels": _sampling_checks, "_activation_kernels": _activation_checks, "_rope_cache_kernels": _rope_cache_checks, "_attention_kernels": _attention_checks}
 
 
 def test_every_family_declares_variants():

@@ -17,7 +17,7 @@ Two implementations of every conversion:
   them bit-identical to the portable functions over all inputs that matter, and the kernels use
   them on the GPU.
 
-Decoding (``*_to_f32``) is exact in both. Matches: CUDA's ``__float2bfloat16_rn``,
+Decoding (``*_to_f32``, ``unpack_e4m3x2``) is exact in both. Matches: CUDA's ``__float2bfloat16_rn``,
 ``__float2half_rn``, ``__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)``; on the CPU the
 oracles use ml_dtypes, which differs only in NaN payloads (it keeps the sign) and in not
 saturating E4M3 (it returns NaN above 464): see ``loomnb.oracle.fp8``.
@@ -226,6 +226,24 @@ else:
     def f32_to_e4m3(x):
         """float32 -> E4M3 code (hardware ``cvt.rn.satfinite.e4m3x2.f32``)."""
         return cvt_e4m3x2(float32(0), x) & 0xFF
+
+
+if SIM:
+    @device
+    def unpack_e4m3x2(w):
+        """Two FP8 E4M3 codes (bits 7..0 and 15..8 of ``w``) -> ``(lo, hi)`` float32, exact."""
+        w = int(w)
+        return e4m3_to_f32(w & 0xFF), e4m3_to_f32((w >> 8) & 0xFF)
+else:
+    from .._numba_internals import cvt_f16x2_e4m3x2
+
+    @device
+    def unpack_e4m3x2(w):
+        """Two FP8 E4M3 codes -> ``(lo, hi)`` float32 (hardware ``cvt.rn.f16x2.e4m3x2``, then
+        ``cvt.f32.f16``; both exact). ``tests/test_attention_gpu.py`` proves it equal to the
+        portable :func:`e4m3_to_f32` for all 65536 code pairs."""
+        h = cvt_f16x2_e4m3x2(uint32(w))
+        return cvt_f16_to_f32(h & 0xFFFF), cvt_f16_to_f32(h >> 16)
 
 
 @device

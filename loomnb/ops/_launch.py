@@ -19,7 +19,10 @@ and the eager fast path that replays a remembered launch.
   dict lookup, the current-stream lookup and one ``cuLaunchKernel``. An output the call
   allocated is allocated again on replay and its pointer patched into the parameters. The
   stream is looked up at every call, so CUDA-graph capture records replayed launches too.
-  ``launch_cache_info()`` counts the misses.
+  ``launch_cache_info()`` counts the misses. An op that launches several kernels (a split-K
+  pass and its merge) passes ``part=(i, n)`` to each of its ``n`` launches under one key: the
+  replay runs all of them in order, every buffer the call allocated (outputs and workspaces)
+  allocated once and patched into every launch that uses it.
 """
 
 from __future__ import annotations
@@ -182,10 +185,11 @@ def launched():
 
 
 # ---------------------------------------------------------------- the launch
-def launch(factory, spec, grid, block, params, *, like, stream=None, key=None):
+def launch(factory, spec, grid, block, params, *, like, stream=None, key=None, part=(0, 1)):
     """Launch ``factory(spec)`` over ``grid`` x ``block`` with ``params`` on ``like``'s device,
     on ``stream`` (default: the caller's current stream). ``key`` (from :func:`key`): remember
-    the prepared launch for :func:`replay`."""
+    the prepared launch for :func:`replay`. ``part=(i, n)``: this is launch ``i`` of the ``n``
+    launches one call makes under ``key``; the last one stores them all for the replay."""
     sig = argtypes(params)
     k = kernel(factory, spec, sig)
     _launched.add((factory, spec, sig))
@@ -200,7 +204,20 @@ def launch(factory, spec, grid, block, params, *, like, stream=None, key=None):
         prepared = k.prepare(like.device, grid, block, values)
         prepared.launch(handle)
     if key is not None:
-        _remember(key, prepared, params)
+        i, n = part
+        if n == 1:
+            _remember(key, prepared, params)
+            return
+        chain = _pending.setdefault(threading.get_ident(), {})
+        if i == 0:
+            chain[key] = []
+        launches = chain.get(key)
+        if launches is None or len(launches) != i:
+            chain.pop(key, None)  # an earlier launch of this call was not recorded: no replay
+            return
+        launches.append((prepared, params))
+        if i == n - 1:
+            _remember_chain(key, chain.pop(key))
 
 
 # ---------------------------------------------------------------- the eager fast path
@@ -211,11 +228,15 @@ _stats = {"misses": 0}
 _rt = None  # (current device, current raw stream, more than one GPU), set at the first store
 
 
-class _Replay:
-    __slots__ = ("prepared", "device", "allocs", "lock")
+_pending = {}  # thread -> {key: [(prepared, params), ...]}: a multi-launch call being recorded
 
-    def __init__(self, prepared, allocs):
+
+class _Replay:
+    __slots__ = ("prepared", "rest", "device", "allocs", "lock")
+
+    def __init__(self, prepared, allocs, rest=()):
         self.prepared, self.device, self.allocs = prepared, prepared.device, allocs
+        self.rest = rest  # the launches after the first of a multi-launch call
         self.lock = threading.Lock() if allocs else None
 
 
@@ -265,16 +286,24 @@ def replay(k):
         err, = p.driver_call(stream, p.params, 0)
         if err is not CUDA_SUCCESS:
             p.failed(err, stream)
+        for q in hit.rest:
+            err, = q.driver_call(stream, q.params, 0)
+            if err is not CUDA_SUCCESS:
+                q.failed(err, stream)
         return ()
     outs = tuple(alloc() for alloc, _ in hit.allocs)
     with hit.lock:
         for t, (_, slots) in zip(outs, hit.allocs):
             base = t.data_ptr()
-            for slot, offset in slots:
-                p.set_slot(slot, base + offset)
+            for q, slot, offset in slots:
+                q.set_slot(slot, base + offset)
         err, = p.driver_call(stream, p.params, 0)
-    if err is not CUDA_SUCCESS:
-        p.failed(err, stream)
+        if err is not CUDA_SUCCESS:
+            p.failed(err, stream)
+        for q in hit.rest:
+            err, = q.driver_call(stream, q.params, 0)
+            if err is not CUDA_SUCCESS:
+                q.failed(err, stream)
     return outs
 
 
@@ -286,19 +315,29 @@ def fill(outs, *given):
 
 
 def _remember(k, prepared, params):
+    _remember_chain(k, [(prepared, params)])
+
+
+def _remember_chain(k, launches):
+    """Store the launches of one call (in order) for :func:`replay` under key ``k``."""
     global _rt
     if _rt is None:
         _rt = ad.torch_runtime()
-    allocs, slot = {}, 0  # allocated tensor -> (allocator, [(data-pointer slot, byte offset)])
-    for p in params:
-        a = p.arr if isinstance(p, ArrayParam) else None
-        if a is not None and a.alloc is not None:
-            entry = allocs.setdefault(id(a.obj), (a.alloc, []))
-            entry[1].append((slot + 4, p.ptr - a.obj.data_ptr()))  # data is the 5th value
-        slot += p.nparams
+    # allocated tensor -> (allocator, [(launch, data-pointer slot, byte offset)]), in the order
+    # the tensors first appear in the launches' parameters
+    allocs = {}
+    for prepared, params in launches:
+        slot = 0
+        for p in params:
+            a = p.arr if isinstance(p, ArrayParam) else None
+            if a is not None and a.alloc is not None:
+                entry = allocs.setdefault(id(a.obj), (a.alloc, []))
+                entry[1].append((prepared, slot + 4, p.ptr - a.obj.data_ptr()))  # data: 5th value
+            slot += p.nparams
     if len(_cache) >= LAUNCH_CACHE_SIZE:
         _cache.clear()
-    _cache[k] = _Replay(prepared, tuple((fn, tuple(s)) for fn, s in allocs.values()) or None)
+    _cache[k] = _Replay(launches[0][0], tuple((fn, tuple(s)) for fn, s in allocs.values()) or None,
+                        tuple(p for p, _ in launches[1:]))
 
 
 def launch_cache_info():
@@ -308,3 +347,4 @@ def launch_cache_info():
 
 def clear_launch_cache():
     _cache.clear()
+    _pending.clear()

@@ -1,9 +1,16 @@
 """Reductions shared by every kernel: over a group of lanes of a warp, and over a thread block.
 
-* ``group_reduce(combine, width)``: ``combine`` folded over each aligned group of ``width``
-  lanes (a power of two <= 32), the result in every lane of the group -- a 64- or 128-element
-  FP8 quant group held by 8 or 16 lanes, or a whole warp (``width = 32``). No shared memory and
-  no barrier, so it may be called in loops; every lane of the warp must call it.
+* ``group_reduce(combine, width, stride=1)``: ``combine`` folded over each aligned group of
+  ``width`` lanes (a power of two <= 32), the result in every lane of the group -- a 64- or
+  128-element FP8 quant group held by 8 or 16 lanes, or a whole warp (``width = 32``). No
+  shared memory and no barrier, so it may be called in loops; every lane of the warp must call
+  it. With ``stride`` (a power of two, ``width * stride <= 32``) the group is the ``width``
+  lanes ``base + r + j * stride`` that share ``r = lane % stride`` inside each aligned span of
+  ``width * stride`` lanes: lanes that hold the same slice of different rows (the attention
+  family merges per-row partial results that way).
+* ``group_reduce_array(combine, width, n, stride=1)``: the same over each of ``vals[0:n]`` of a
+  per-thread array, in place (one call for many values: independent shuffles on the GPU, one
+  shared-memory exchange in the simulator).
 * ``block_reduce(combine, dtype)``: ``combine`` folded over the whole block, the result in every
   thread. It takes a ``scratch`` shared array the caller declares as
   ``cuda.shared.array(REDUCE_SCRATCH, dtype)``: one barrier, then each thread folds the warps'
@@ -32,6 +39,7 @@ from .._numba_internals import SIM, device
 
 FULL_MASK = 0xFFFFFFFF
 REDUCE_SCRATCH = 1024 if SIM else 32  # shared-memory values a block reduction needs
+SIM_ARRAY_MAX = 256  # group_reduce_array: values per call the simulator twin takes
 
 
 @device
@@ -58,6 +66,12 @@ def fmin_nan(a, b):
 IDENTITY = {fadd: 0.0, fmax_nan: -math.inf, fmin_nan: math.inf}
 
 
+def _offsets(width, stride):
+    """The butterfly's lane offsets (largest first) over ``width`` lanes ``stride`` apart."""
+    assert width & (width - 1) == 0 and stride & (stride - 1) == 0 and width * stride <= 32
+    return tuple(stride << k for k in reversed(range(int(math.log2(width)))))
+
+
 @device
 def argmax_combine(va, ia, vb, ib):
     """(value, index) of the larger of two candidates: NaN is the largest, ties (and NaN vs
@@ -74,7 +88,9 @@ def argmax_combine(va, ia, vb, ib):
 
 if SIM:
     @functools.cache
-    def group_reduce(combine, width):
+    def group_reduce(combine, width, stride=1):
+        span = width * stride
+
         @cuda.jit(device=True)
         def reduce(v):
             sm = cuda.shared.array(1024, float64)
@@ -82,12 +98,36 @@ if SIM:
             cuda.syncthreads()
             sm[t] = v
             cuda.syncthreads()
-            base = t & ~(width - 1)
-            acc = sm[base]
+            first = (t & ~(span - 1)) + (t & (stride - 1))
+            acc = sm[first]
             for k in range(1, width):
-                acc = combine(acc, sm[base + k])
+                acc = combine(acc, sm[first + k * stride])
             cuda.syncthreads()
             return type(v)(acc)
+
+        return reduce
+
+    @functools.cache
+    def group_reduce_array(combine, width, n, stride=1):
+        span = width * stride
+        # the simulator keys a shared array by its source line: one size for every n
+        assert n <= SIM_ARRAY_MAX
+
+        @cuda.jit(device=True)
+        def reduce(vals):
+            sm = cuda.shared.array(1024 * SIM_ARRAY_MAX, float64)
+            t = cuda.threadIdx.x
+            cuda.syncthreads()
+            for i in range(n):
+                sm[i * 1024 + t] = vals[i]
+            cuda.syncthreads()
+            first = (t & ~(span - 1)) + (t & (stride - 1))
+            for i in range(n):
+                acc = sm[i * 1024 + first]
+                for k in range(1, width):
+                    acc = combine(acc, sm[i * 1024 + first + k * stride])
+                vals[i] = acc
+            cuda.syncthreads()
 
         return reduce
 
@@ -134,14 +174,28 @@ if SIM:
         return bv, bi
 else:
     @functools.cache
-    def group_reduce(combine, width):
-        offsets = tuple(1 << k for k in reversed(range(int(math.log2(width)))))
+    def group_reduce(combine, width, stride=1):
+        offsets = _offsets(width, stride)
 
         @cuda.jit(device=True)
         def reduce(v):
             for off in offsets:
                 v = combine(v, cuda.shfl_xor_sync(FULL_MASK, v, off))
             return v
+
+        return reduce
+
+    @functools.cache
+    def group_reduce_array(combine, width, n, stride=1):
+        offsets = _offsets(width, stride)
+
+        @cuda.jit(device=True)
+        def reduce(vals):
+            for i in range(n):
+                v = vals[i]
+                for off in offsets:
+                    v = combine(v, cuda.shfl_xor_sync(FULL_MASK, v, off))
+                vals[i] = v
 
         return reduce
 

@@ -544,12 +544,15 @@ def min_p_kernel(spec):
         if VEC:
             for u in range(lo // 4 + tid, hi // 4, nt):
                 w = load_u32x4(lr, u << 2)
-                o0 = uint32(NEG_INF_BITS) if masked(bits_f32(w[0]), m, S32, thr) else w[0]
-                o1 = uint32(NEG_INF_BITS) if masked(bits_f32(w[1]), m, S32, thr) else w[1]
-                o2 = uint32(NEG_INF_BITS) if masked(bits_f32(w[2]), m, S32, thr) else w[2]
-                o3 = uint32(NEG_INF_BITS) if masked(bits_f32(w[3]), m, S32, thr) else w[3]
-                if o0 != w[0] or o1 != w[1] or o2 != w[2] or o3 != w[3]:
-                    store_u32x4(lr, u << 2, (o0, o1, o2, o3))
+                k0 = masked(bits_f32(w[0]), m, S32, thr)
+                k1 = masked(bits_f32(w[1]), m, S32, thr)
+                k2 = masked(bits_f32(w[2]), m, S32, thr)
+                k3 = masked(bits_f32(w[3]), m, S32, thr)
+                if k0 or k1 or k2 or k3:  # a unit with a masked element is written whole
+                    store_u32x4(lr, u << 2, (uint32(NEG_INF_BITS) if k0 else w[0],
+                                             uint32(NEG_INF_BITS) if k1 else w[1],
+                                             uint32(NEG_INF_BITS) if k2 else w[2],
+                                             uint32(NEG_INF_BITS) if k3 else w[3]))
         else:
             for i in range(lo + tid, hi, nt):
                 if masked(lr[i], m, S32, thr):

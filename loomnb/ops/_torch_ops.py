@@ -29,7 +29,7 @@ _LIB = torch.library.Library("loomnb", "DEF") if torch is not None else None
 REGISTERED = {}  # name -> the Python op, for tests and listings
 
 
-def torch_op(inputs, *, outputs=(), returns=None, fake=None):
+def torch_op(inputs, *, outputs=(), returns=None, fake=None, eager=None):
     """Register the decorated public op as ``torch.ops.loomnb.<its name>``.
 
     ``inputs``: the schema of its tensor and scalar arguments (names equal to the Python
@@ -37,10 +37,13 @@ def torch_op(inputs, *, outputs=(), returns=None, fake=None):
     style keyword arguments it allocates when None, in order. ``returns``: the names (outputs or
     mutated inputs) the Python op returns, in order; a single name means a single value.
     ``fake(*inputs)``: the new output tensors of the functional form (shapes and dtypes only).
+    ``eager(**kwargs)``: what the registered op runs, returning ``returns`` (default: the Python
+    op itself) -- for an op whose Python return depends on an option that is not in the schema
+    (``paged_decode_attention(..., return_lse=)``: the registered op always returns both).
     """
     def deco(fn):
         fn.traced = _make_traced(fn.__name__, inputs, tuple(outputs), tuple(returns or outputs),
-                                 fake) if torch is not None else None
+                                 fake, eager) if torch is not None else None
         REGISTERED[fn.__name__] = fn
         return fn
     return deco
@@ -53,7 +56,7 @@ def _arg_names(inputs):
             tuple(a.name for a in schema.arguments if a.kwarg_only))
 
 
-def _make_traced(name, inputs, outputs, returns, fake):
+def _make_traced(name, inputs, outputs, returns, fake, eager=None):
     params, kwonly = _arg_names(inputs)
     if outputs:
         ret = "Tensor" if len(outputs) == 1 else "(" + ", ".join("Tensor" for _ in outputs) + ")"
@@ -67,7 +70,7 @@ def _make_traced(name, inputs, outputs, returns, fake):
 
     def run(*args, **kwargs):  # the eager implementation behind torch.ops.loomnb.<name>
         kw = dict(zip(params, args), **kwargs)
-        res = REGISTERED[name](**kw)
+        res = (eager or REGISTERED[name])(**kw)
         if not outputs:
             return None
         full = dict(kw, **dict(zip(returns, res if len(returns) > 1 else (res,))))
@@ -75,7 +78,7 @@ def _make_traced(name, inputs, outputs, returns, fake):
         return vals[0] if len(vals) == 1 else vals
 
     def run_out(*args, **kwargs):
-        REGISTERED[name](**dict(zip(params, args), **kwargs))
+        (eager or REGISTERED[name])(**dict(zip(params, args), **kwargs))
 
     _LIB.impl(name, run, "CUDA")
     if outputs:

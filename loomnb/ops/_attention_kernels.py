@@ -1,0 +1,519 @@
+"""Paged decode attention kernels: a split-K pass over the context, its LSE merge, and vLLM's
+``merge_attn_states``. Each factory is specialised by a small frozen spec.
+
+**Decode pass** (:func:`decode_kernel`, :class:`DecodeSpec`). One CTA per ``(sequence, split,
+KV head, head chunk)``: it serves up to ``GC = 4`` query heads of one KV head, so a KV page is
+read from memory once for all of them (a larger group, ``num_heads / num_kv_heads > 4``, takes
+``ceil(group / 4)`` CTAs per KV head, which read the same pages; the repeats meet in L2).
+
+* Lanes and rows: ``R = spec.lanes`` lanes hold one head row of ``head_size`` elements, ``EPL =
+  16`` elements each (R = 4 up to head_size 64, 8 up to 128, 16 up to 256); the CTA's ``nt /
+  R`` lane groups take consecutive tokens. Lane ``r`` holds the row's 16-byte units ``r, r + R,
+  ...`` (8 bf16/fp16, 16 FP8 or 4 fp32 elements each), element ``k`` of the lane being head
+  dimension ``dim(r, k) = (r + (k // UE) * R) * UE + k % UE`` (``UE`` elements per unit). The
+  query of each served head is held the same way, pre-multiplied by ``scale`` (and
+  ``k_scale`` for FP8, and log2(e) without a softcap: the softmax runs in base 2).
+* ``path="vec"``: each unit is one 16-byte load (``ld.global.v4.u32``) from the cache seen as
+  ``uint32`` words; ``path="scalar"``: element loads through the strides (any alignment, the
+  legacy transposed value cache). Both read a token's row at ``block * sb + offset * so +
+  kv_head * sh`` plus, for head dimension ``d``, ``(d >> xl) * su + (d & (2^xl - 1)) * se``
+  (``xl = log2(x)`` for vLLM's x-packed key, 0 otherwise); ``block =
+  block_tables[seq, pos // block_size]``. Only tokens below ``seq_len`` are read.
+* Per tile of ``TT`` tokens per lane group: all loads of the tile issued first, partial dot
+  products reduced over the ``R`` lanes (``group_reduce_array``), softcap ``cap * tanh(z /
+  cap)``, then a FlashAttention online softmax in float32 per lane group: running max ``m``,
+  sum ``l`` and unnormalised output ``acc``, rescaled only when the max grows (``exp2(0) = 1``
+  makes the skipped rescale exact).
+* End: lane groups merge (max, then rescaled sums over lanes ``R`` apart), warps merge through
+  shared memory, and warp 0 writes either ``out = r(acc * v_scale / l)`` and ``lse = (m +
+  log2 l) * ln 2`` (one split) or the split's float32 partial ``(acc * v_scale, m, l)``.
+  No visible key: ``out = 0``, ``lse = -inf``. No epsilon anywhere.
+
+**Split merge** (:func:`split_merge_kernel`): per (sequence, head), ``M = max m_p``, ``w_p =
+exp2(m_p - M)``, ``out = r(sum_p w_p acc_p / sum_p w_p l_p)``, ``lse = (M + log2(sum w l)) *
+ln 2``.
+
+**merge_attn_states** (:func:`merge_states_kernel`): one warp per (token, head), lanes over
+head_size, vLLM 0.24's formula (``expf``, ``logf``, ``fmaf(p_out, p_scale, s_out * s_scale)``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from numba import cuda, float32, int64, uint32
+
+from .._numba_internals import device
+from ..layouts.dtypes import bits_f32, unpack_e4m3x2
+from . import _launch as L
+from ._reduce import fadd, fmax_nan, group_reduce_array
+from ._vector import CODECS, load_u32x4
+
+EPL = 16        # head-row elements a lane holds
+GC = 4          # query heads one CTA serves (registers: GC * EPL floats of q and of acc)
+LANES = (4, 8, 16)  # lanes per head row: head_size <= 16 * lanes
+SLOTS = 4       # warp states the cross-warp merge takes per round through shared memory
+KINDS = ("bf16", "f16", "f32")
+CACHES = ("bf16", "f16", "f32", "fp8")
+ESIZE = {"bf16": 2, "f16": 2, "f32": 4, "fp8": 1}
+STORAGE = {"bf16": "uint16", "f16": "uint16", "f32": "float32", "fp8": "uint8"}
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+NEG_INF = -math.inf
+
+
+def lanes_for(head_size):
+    """Lanes per head row (``DecodeSpec.lanes``) for ``head_size`` (at most 256)."""
+    return next(r for r in LANES if head_size <= EPL * r)
+
+
+def tokens_per_tile(cache):
+    """Tokens a lane group loads per tile: 2 (1- and 2-byte caches), 1 (fp32: 16 words a row)."""
+    return 1 if ESIZE[cache] == 4 else 2
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    kind: str          # query and output dtype: bf16, f16, f32
+    cache: str         # the caches' dtype: the query's, or "fp8" (E4M3 codes)
+    path: str = "vec"  # "vec" (16-byte unit loads) or "scalar" (element loads)
+    lanes: int = 8     # lanes per head row (LANES)
+
+    def __post_init__(self):
+        assert self.kind in KINDS and self.cache in (self.kind, "fp8")
+        assert self.path in ("vec", "scalar") and self.lanes in LANES
+
+
+@dataclass(frozen=True)
+class MergeSpec:
+    kind: str          # output dtype
+
+
+def decode_argtypes(spec):
+    """The numba signature of ``decode_kernel(spec)``'s parameters (see :func:`decode_params`)."""
+    act, f32 = STORAGE[spec.kind], "float32"
+    cache = "uint32" if spec.path == "vec" else STORAGE[spec.cache]
+    i, f = L.i64(0).numba_type, L.f32(0).numba_type
+    return (L.array_type(act, 3), L.array_type(f32, 2), L.array_type(f32, 4),
+            L.array_type(f32, 4), L.array_type(act, 3), L.array_type(cache, 1),
+            L.array_type(cache, 1), L.array_type("int32", 2), L.array_type("int32", 1),
+            L.array_type(f32, 1), L.array_type(f32, 1)) + (i,) * 22 + (f, f, f)
+
+
+def merge_argtypes(spec):
+    act, f32 = STORAGE[spec.kind], "float32"
+    i = L.i64(0).numba_type
+    return (L.array_type(act, 3), L.array_type(f32, 2), L.array_type(f32, 4),
+            L.array_type(f32, 4), i, i, i, i)
+
+
+def states_argtypes(spec):
+    act, f32 = STORAGE[spec.kind], "float32"
+    i = L.i64(0).numba_type
+    return (L.array_type(act, 3), L.array_type(f32, 2), L.array_type(act, 3),
+            L.array_type(f32, 2), L.array_type(act, 3), L.array_type(f32, 2), i, i, i, i)
+
+
+# ---------------------------------------------------------------- device helpers
+def _row_decoder(spec):
+    """``decode_row(vals, w, j)``: the ``EPL`` float32 values of token ``j`` of a tile from what
+    ``load_row`` stored (words of 16-byte units, or the raw elements of the scalar path)."""
+    UE = 16 // ESIZE[spec.cache]
+    VPL = EPL // UE
+    KW = EPL * ESIZE[spec.cache] // 4  # words a lane holds of one row
+    if spec.path == "scalar":
+        if spec.cache == "fp8":
+            @device
+            def decode_row(vals, w, j):
+                for k in range(0, EPL, 2):
+                    a, b = unpack_e4m3x2(w[j * EPL + k] | (w[j * EPL + k + 1] << 8))
+                    vals[k] = a
+                    vals[k + 1] = b
+        elif spec.cache == "f32":
+            @device
+            def decode_row(vals, w, j):
+                for k in range(EPL):
+                    vals[k] = w[j * EPL + k]
+        else:
+            dec = CODECS[spec.cache].decode
+
+            @device
+            def decode_row(vals, w, j):
+                for k in range(EPL):
+                    vals[k] = dec(w[j * EPL + k])
+    elif spec.cache == "fp8":
+        @device
+        def decode_row(vals, w, j):
+            for c in range(4):
+                x = w[j * KW + c]
+                a, b = unpack_e4m3x2(x & 0xFFFF)
+                e, f = unpack_e4m3x2(x >> 16)
+                vals[4 * c] = a
+                vals[4 * c + 1] = b
+                vals[4 * c + 2] = e
+                vals[4 * c + 3] = f
+    elif spec.cache == "f32":
+        @device
+        def decode_row(vals, w, j):
+            for k in range(EPL):
+                vals[k] = bits_f32(w[j * KW + k])
+    else:
+        unpack = CODECS[spec.cache].unpack
+
+        @device
+        def decode_row(vals, w, j):
+            for i in range(VPL):
+                for c in range(4):
+                    lo, hi = unpack(w[j * KW + 4 * i + c])
+                    vals[i * UE + 2 * c] = lo
+                    vals[i * UE + 2 * c + 1] = hi
+    return decode_row
+
+
+def _row_loader(spec):
+    """``load_row(w, j, cache, bt, s, t, ok, hk, B, BSH, sb, so, sh, su, se, xl, D, r)``: lane
+    ``r``'s part of token ``t``'s row of KV head ``hk`` into slot ``j`` of ``w`` (zeros where
+    ``ok`` is false or past ``head_size``): 16-byte units as words (``"vec"``), or the raw
+    elements (``"scalar"``: bits as uint32, fp32 as float32), decoded by ``decode_row``."""
+    R = spec.lanes
+    UE = 16 // ESIZE[spec.cache]
+    VPL = EPL // UE
+    KW = EPL * ESIZE[spec.cache] // 4
+    if spec.path == "vec":
+        @device
+        def load_row(w, j, cache, bt, s, t, ok, hk, B, BSH, sb, so, sh, su, se, xl, D, r):
+            if ok:
+                if BSH >= 0:
+                    bi = t >> BSH
+                    off = t & (B - 1)
+                else:
+                    bi = t // B
+                    off = t - bi * B
+                base = int64(bt[s, bi]) * sb + off * so + hk * sh
+                for i in range(VPL):
+                    u = r + i * R
+                    if u * UE < D:
+                        x = load_u32x4(cache, base + u * su)
+                        for c in range(4):
+                            w[j * KW + 4 * i + c] = x[c]
+                    else:
+                        for c in range(4):
+                            w[j * KW + 4 * i + c] = 0
+            else:
+                for c in range(KW):
+                    w[j * KW + c] = 0
+        return load_row
+
+    if spec.cache == "f32":
+        @device
+        def raw(v):
+            return v
+        zero = float32(0)
+    else:
+        @device
+        def raw(v):
+            return uint32(v)
+        zero = uint32(0)
+
+    @device
+    def load_row(w, j, cache, bt, s, t, ok, hk, B, BSH, sb, so, sh, su, se, xl, D, r):
+        if ok:
+            if BSH >= 0:
+                bi = t >> BSH
+                off = t & (B - 1)
+            else:
+                bi = t // B
+                off = t - bi * B
+            base = int64(bt[s, bi]) * sb + off * so + hk * sh
+            xm = (int64(1) << xl) - 1
+            for k in range(EPL):
+                d = (r + (k // UE) * R) * UE + (k % UE)
+                v = zero
+                if d < D:
+                    v = raw(cache[base + (d >> xl) * su + (d & xm) * se])
+                w[j * EPL + k] = v
+        else:
+            for k in range(EPL):
+                w[j * EPL + k] = zero
+    return load_row
+
+
+# ---------------------------------------------------------------- the decode pass
+def decode_kernel(spec):
+    """The ``@cuda.jit`` function of the decode pass for ``spec`` (see the module docstring)."""
+    R = spec.lanes
+    LOG2R = R.bit_length() - 1
+    NGW = 32 // R                        # lane groups per warp
+    UE = 16 // ESIZE[spec.cache]
+    TT = tokens_per_tile(spec.cache)
+    VEC, FP8 = spec.path == "vec", spec.cache == "fp8"
+    NW_ = TT * (EPL * ESIZE[spec.cache] // 4 if VEC else EPL)  # per-lane tile storage of K (or V)
+    WTYPE = float32 if spec.cache == "f32" and not VEC else uint32
+    QN, SCN, SMA, SMS = GC * EPL, GC * TT, SLOTS * GC * EPL * R, SLOTS * GC  # array sizes
+    dec_q, enc = CODECS[spec.kind].decode, CODECS[spec.kind].encode
+    load_row, decode_row = _row_loader(spec), _row_decoder(spec)
+    dot_sum = group_reduce_array(fadd, R, GC * TT)
+    warp_max = group_reduce_array(fmax_nan, NGW, GC, R)
+    warp_sum_acc = group_reduce_array(fadd, NGW, GC * EPL, R)
+    warp_sum_l = group_reduce_array(fadd, NGW, GC, R)
+
+    def kernel(out, lse, pacc, pml, q, kc, vc, bt, sl, ksc, vsc,
+               D, Hk, G, NC, GCH, P, B, BSH, kb, ko, kh, ku, ke, kxl,
+               vb, vo, vh, vu, ve, vxl, W, wlse, qmul, inv_cap, capl2):
+        bid = int64(cuda.blockIdx.x)
+        c = bid % NC
+        t1 = bid // NC
+        hk = t1 % Hk
+        t2 = t1 // Hk
+        p = t2 % P
+        s = t2 // P
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        lane = tid & 31
+        warp = tid >> 5
+        nw = nt >> 5
+        r = lane & (R - 1)
+        grp = int64(tid >> LOG2R)
+        ngroups = int64(nt >> LOG2R)
+        h0 = hk * G + c * GCH
+        nh = min(GCH, G - c * GCH)
+
+        # the tokens of this split: [beg, end) of the visible [start, L)
+        L = min(max(int64(sl[s]), int64(0)), int64(bt.shape[1]) * B)
+        start = max(L - W, int64(0)) if W > 0 else int64(0)
+        chunk = (L - start + P - 1) // P
+        beg = start + p * chunk
+        end = min(L, beg + chunk)
+
+        ks = ksc[hk] if FP8 else float32(1)
+        vs = vsc[hk] if FP8 else float32(1)
+        qm = float32(qmul * ks)
+        qv = cuda.local.array(QN, float32)
+        for g in range(GC):
+            for k in range(EPL):
+                d = (r + (k // UE) * R) * UE + (k % UE)
+                x = float32(0)
+                if g < nh and d < D:
+                    x = dec_q(q[s, h0 + g, d]) * qm
+                qv[g * EPL + k] = x
+
+        m = cuda.local.array(GC, float32)
+        lsum = cuda.local.array(GC, float32)
+        acc = cuda.local.array(QN, float32)
+        for g in range(GC):
+            m[g] = NEG_INF
+            lsum[g] = float32(0)
+            for k in range(EPL):
+                acc[g * EPL + k] = float32(0)
+        kw = cuda.local.array(NW_, WTYPE)
+        vw = cuda.local.array(NW_, WTYPE)
+        vals = cuda.local.array(EPL, float32)
+        sc = cuda.local.array(SCN, float32)
+
+        span = ngroups * TT
+        ntiles = (end - beg + span - 1) // span if end > beg else int64(0)
+        for it in range(ntiles):  # the same count in every thread: the reductions need all lanes
+            tb = beg + it * span
+            for j in range(TT):
+                t = tb + j * ngroups + grp
+                ok = t < end
+                load_row(kw, j, kc, bt, s, t, ok, hk, B, BSH, kb, ko, kh, ku, ke, kxl, D, r)
+                load_row(vw, j, vc, bt, s, t, ok, hk, B, BSH, vb, vo, vh, vu, ve, vxl, D, r)
+            for j in range(TT):
+                decode_row(vals, kw, j)
+                for g in range(GC):
+                    a = float32(0)
+                    for k in range(EPL):
+                        a += qv[g * EPL + k] * vals[k]
+                    sc[g * TT + j] = a
+            dot_sum(sc)
+            for j in range(TT):
+                ok = tb + j * ngroups + grp < end
+                for g in range(GC):
+                    x = sc[g * TT + j]
+                    if inv_cap > 0:
+                        x = capl2 * math.tanh(x * inv_cap)
+                    if not ok:
+                        x = NEG_INF
+                    sc[g * TT + j] = x
+            for g in range(GC):
+                mo = m[g]
+                mx = mo
+                for j in range(TT):
+                    mx = fmax_nan(mx, sc[g * TT + j])
+                if mx > mo:  # rescale only when the max grows (else the factor is exactly 1)
+                    corr = math.exp2(mo - mx)
+                    lsum[g] *= corr
+                    for k in range(EPL):
+                        acc[g * EPL + k] *= corr
+                    m[g] = mx
+            for j in range(TT):
+                decode_row(vals, vw, j)
+                for g in range(GC):
+                    mu = m[g] if m[g] != NEG_INF else float32(0)
+                    pj = math.exp2(sc[g * TT + j] - mu)
+                    lsum[g] += pj
+                    for k in range(EPL):
+                        acc[g * EPL + k] += pj * vals[k]
+
+        # lane groups of a warp -> one state (in every group)
+        mw = cuda.local.array(GC, float32)
+        for g in range(GC):
+            mw[g] = m[g]
+        warp_max(mw)
+        for g in range(GC):
+            e = math.exp2(m[g] - mw[g]) if mw[g] != NEG_INF else float32(0)
+            lsum[g] *= e
+            for k in range(EPL):
+                acc[g * EPL + k] *= e
+            m[g] = mw[g]
+        warp_sum_l(lsum)
+        warp_sum_acc(acc)
+
+        # warps -> warp 0, SLOTS warps per round through shared memory
+        smA = cuda.shared.array(SMA, float32)
+        smM = cuda.shared.array(SMS, float32)
+        smL = cuda.shared.array(SMS, float32)
+        for base in range(0, nw, SLOTS):
+            slot = warp - base
+            if warp != 0 and slot >= 0 and slot < SLOTS and lane < R:
+                for g in range(GC):
+                    for k in range(EPL):
+                        smA[((slot * GC + g) * EPL + k) * R + r] = acc[g * EPL + k]
+                    if r == 0:
+                        smM[slot * GC + g] = m[g]
+                        smL[slot * GC + g] = lsum[g]
+            cuda.syncthreads()
+            if warp == 0:
+                for sl_ in range(SLOTS):
+                    w_ = base + sl_
+                    if w_ != 0 and w_ < nw:
+                        for g in range(GC):
+                            mo = smM[sl_ * GC + g]
+                            mx = fmax_nan(m[g], mo)
+                            if mx != NEG_INF:
+                                a = math.exp2(m[g] - mx)
+                                b = math.exp2(mo - mx)
+                                lsum[g] = lsum[g] * a + smL[sl_ * GC + g] * b
+                                for k in range(EPL):
+                                    acc[g * EPL + k] = (acc[g * EPL + k] * a
+                                                        + smA[((sl_ * GC + g) * EPL + k) * R + r] * b)
+                                m[g] = mx
+            cuda.syncthreads()
+
+        if warp == 0:
+            gi = lane >> LOG2R
+            for g in range(GC):
+                if g < nh and g % NGW == gi:
+                    h = h0 + g
+                    if P == 1:
+                        inv = vs / lsum[g] if lsum[g] != 0 else float32(0)
+                        for k in range(EPL):
+                            d = (r + (k // UE) * R) * UE + (k % UE)
+                            if d < D:
+                                out[s, h, d] = enc(acc[g * EPL + k] * inv)
+                        if wlse != 0 and r == 0:
+                            lse[h, s] = ((m[g] + math.log2(lsum[g])) * float32(LN2)
+                                         if lsum[g] != 0 else float32(NEG_INF))
+                    else:
+                        for k in range(EPL):
+                            d = (r + (k // UE) * R) * UE + (k % UE)
+                            if d < D:
+                                pacc[s, h, p, d] = acc[g * EPL + k] * vs
+                        if r == 0:
+                            pml[s, h, p, 0] = m[g]
+                            pml[s, h, p, 1] = lsum[g]
+
+    kernel.__name__ = f"paged_decode_{spec.kind}_{spec.cache}_{spec.path}_r{R}"
+    return kernel
+
+
+# ---------------------------------------------------------------- the split merge
+def split_merge_kernel(spec):
+    """One CTA per (sequence, head): the splits' partials -> ``out`` (and ``lse``)."""
+    enc = CODECS[spec.kind].encode
+
+    def kernel(out, lse, pacc, pml, D, Hq, P, wlse):
+        row = int64(cuda.blockIdx.x)
+        s = row // Hq
+        h = row - s * Hq
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        mx = float32(NEG_INF)
+        for p in range(P):
+            mx = fmax_nan(mx, pml[s, h, p, 0])
+        tot = float32(0)
+        if mx != NEG_INF:
+            for p in range(P):
+                tot += math.exp2(pml[s, h, p, 0] - mx) * pml[s, h, p, 1]
+        inv = float32(1) / tot if tot != 0 else float32(0)
+        for d in range(tid, D, nt):
+            a = float32(0)
+            if mx != NEG_INF:
+                for p in range(P):
+                    a += math.exp2(pml[s, h, p, 0] - mx) * pacc[s, h, p, d]
+            out[s, h, d] = enc(a * inv)
+        if wlse != 0 and tid == 0:
+            lse[h, s] = (mx + math.log2(tot)) * float32(LN2) if tot != 0 else float32(NEG_INF)
+
+    kernel.__name__ = f"paged_decode_split_merge_{spec.kind}"
+    return kernel
+
+
+# ---------------------------------------------------------------- merge_attn_states
+def merge_states_kernel(spec):
+    """One warp per (token, head) row: vLLM 0.24's ``merge_attn_states``."""
+    dec, enc = CODECS[spec.kind].decode, CODECS[spec.kind].encode
+
+    def kernel(out, olse, pout, plse, sout, slse, N, H, D, wlse):
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        row = int64(cuda.blockIdx.x) * (cuda.blockDim.x >> 5) + (tid >> 5)
+        if row < N * H:
+            n = row // H
+            h = row - n * H
+            pl = plse[h, n]
+            sl = slse[h, n]
+            if math.isinf(pl):
+                pl = float32(NEG_INF)
+            if math.isinf(sl):
+                sl = float32(NEG_INF)
+            mx = fmax_nan(pl, sl)
+            if math.isinf(mx):  # both -inf: prefix_output unchanged, lse -inf (vLLM PR #28181)
+                for d in range(lane, D, 32):
+                    out[n, h, d] = pout[n, h, d]
+                if wlse != 0 and lane == 0:
+                    olse[h, n] = mx
+            else:
+                pse = float32(math.exp(pl - mx))
+                sse = float32(math.exp(sl - mx))
+                tot = float32(pse + sse)
+                ps = float32(pse / tot)
+                ss = float32(sse / tot)
+                for d in range(lane, D, 32):
+                    out[n, h, d] = enc(cuda.fma(dec(pout[n, h, d]), ps, dec(sout[n, h, d]) * ss))
+                if wlse != 0 and lane == 0:
+                    olse[h, n] = float32(math.log(tot)) + mx
+
+    kernel.__name__ = f"merge_attn_states_{spec.kind}"
+    return kernel
+
+
+def variants():
+    """Every ``(factory, spec, argtypes)`` the family's ops can launch (the PTX test compiles
+    them all): the decode pass for each (query, cache) dtype pair, the vector path at every
+    lane count and the scalar path (any strides) at 16 lanes; the split merge and
+    ``merge_attn_states`` for each output dtype."""
+    out = []
+    for kind in KINDS:
+        for cache in (kind, "fp8"):
+            for lanes in LANES:
+                spec = DecodeSpec(kind, cache, "vec", lanes)
+                out.append((decode_kernel, spec, decode_argtypes(spec)))
+            spec = DecodeSpec(kind, cache, "scalar", 16)
+            out.append((decode_kernel, spec, decode_argtypes(spec)))
+        spec = MergeSpec(kind)
+        out.append((split_merge_kernel, spec, merge_argtypes(spec)))
+        out.append((merge_states_kernel, spec, states_argtypes(spec)))
+    return out

@@ -1,0 +1,488 @@
+"""Paged decode attention (MQA/GQA over a paged KV cache, split-K with an LSE merge) and vLLM's
+``merge_attn_states``.
+
+Bytes (the benchmark's model): a decode step reads every visible key and value once --
+``seq_len * num_kv_heads * head_size * 2`` elements per sequence (bf16: 4 bytes, FP8: 2 bytes
+per head dimension and token) -- plus the query, the block table row and the output, which are
+noise next to it at any real context. At 32 sequences x 4096 tokens of Llama-3-8B's 8 x 128
+bf16 KV heads that is 537 MB, 127 µs at the H200's ~4.2 TB/s copy rate; one query head per KV
+head would be the same bytes, so GQA's query heads must share each page read (here: up to 4
+per CTA).
+
+Layouts: ``key_cache``/``value_cache`` are strided views with the logical axes ``[num_blocks,
+block_size, num_kv_heads, head_size]``. Every layout of :mod:`loomnb.layouts.paged_kv` is such a
+view: vLLM 0.24's interleaved ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (NHD:
+``kv[:, 0]``, ``kv[:, 1]``; HND: the ``[num_blocks, 2, num_kv_heads, block_size, head_size]``
+buffer permuted), split caches, and the legacy transposed value ``[num_blocks, num_kv_heads,
+head_size, block_size]`` permuted to ``(0, 3, 1, 2)`` -- except vLLM's legacy x-packed key
+``[num_blocks, num_kv_heads, head_size // x, block_size, x]`` (``x = 16 / element size``),
+which is passed as that 5-D array and recognised by its ``ndim``. Caches whose head rows are
+contiguous, 16-byte aligned and whose block/token/head strides are multiples of 16 bytes (NHD,
+HND, split, the x-packed key) take 16-byte loads; anything else (the transposed value, an odd
+offset) takes element loads through the strides -- same results, fewer bytes per instruction.
+``layout(query, key_cache, value_cache)`` says which one a call takes.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+from .. import _adapter as ad
+from .._dtypes import ACTIVATION_KINDS
+from ..checks import (check_kind, check_ndim, check_same_device, check_shape, fail_type,
+                      fail_value)
+from . import _contract as C
+from . import _launch as L
+from ._attention_kernels import (EPL, GC, LANES, LOG2E, DecodeSpec, MergeSpec, decode_kernel,
+                                 lanes_for, merge_states_kernel, split_merge_kernel)
+from ._torch_ops import torch_op
+
+__all__ = ["paged_decode_attention", "merge_attn_states"]
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+MAX_HEAD_SIZE = EPL * LANES[-1]  # 256
+DECODE_THREADS = 128             # 4 warps per CTA
+STATES_THREADS = 128             # merge_attn_states: 4 (token, head) rows per CTA
+SPLIT_TARGET_PER_SM = 2          # CTAs per SM the split rule aims for (about one resident wave)
+MIN_SPLIT_TOKENS = 128           # a split reads at least this many tokens
+MAX_SPLITS = 64
+DEFAULT_SMS = 132                # H200; the simulator and unknown devices
+
+
+def num_splits(num_seqs, num_kv_heads, head_chunks, context, sms=DEFAULT_SMS):
+    """Split-K rule: the number of splits of each sequence's context.
+
+    ``ctas = num_seqs * num_kv_heads * head_chunks`` CTAs without splitting. When they already
+    fill the GPU (``ctas >= 2 * sms``: about one wave at two resident CTAs per SM) or the
+    context is short (``< 2 * MIN_SPLIT_TOKENS`` = 256 tokens), one split; else
+    ``min(ceil(2 * sms / ctas), context // 128, 64)`` splits, so each reads at least 128
+    tokens. ``context`` is a host-side bound (``max_seq_len``, else ``max_blocks *
+    block_size``); each sequence divides its own visible range on the device, so a loose
+    bound costs speed, never correctness. H200 (132 SMs), 8 KV heads: 8 x 4096 -> 5 splits, 32
+    x 4096 -> 2, 128 x 1024 -> 1; SmolLM2's 3 KV heads: 32 x 4096 -> 3, 8 x 16384 -> 11.
+    """
+    ctas = max(1, num_seqs * num_kv_heads * head_chunks)
+    target = SPLIT_TARGET_PER_SM * sms
+    if ctas >= target or context < 2 * MIN_SPLIT_TOKENS:
+        return 1
+    return max(1, min(-(-target // ctas), context // MIN_SPLIT_TOKENS, MAX_SPLITS))
+
+
+@functools.cache
+def _sm_count(lib, device):
+    if lib != "torch":
+        return DEFAULT_SMS
+    return ad._torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# ---------------------------------------------------------------- argument checks
+def _cache_strides(op, name, a, num_kv_heads_of, head_size, x):
+    """``(logical shape [num_blocks, block_size, num_kv_heads, head_size], strides (sb, so, sh,
+    su, se, xl) in elements, extent in elements)`` of a 4-D cache view or the 5-D x-packed key."""
+    if any(s < 0 for s in a.strides):
+        fail_value(op, name, "a view with non-negative strides", f"strides {a.strides}")
+    if a.ndim == 5:
+        nb, hk, dx, bs, xx = a.shape
+        if xx != x:
+            fail_value(op, name, f"the x-packed key [num_blocks, num_kv_heads, head_size // x, "
+                       f"block_size, x] with x = {x} (16 bytes of the cache dtype)",
+                       f"shape {list(a.shape)}")
+        s0, s1, s2, s3, s4 = a.strides
+        shape, strides = (nb, bs, hk, dx * xx), (s0, s3, s1, s2, s4, x.bit_length() - 1)
+    else:
+        shape = tuple(a.shape)
+        s0, s1, s2, s3 = a.strides
+        strides = (s0, s1, s2, s3, 0, 0)
+    extent = 1 + sum((n - 1) * st for n, st in zip(a.shape, a.strides)) if a.size else 0
+    return shape, strides, extent
+
+
+def _vectorizable(a, strides, shape, esize):
+    """16-byte units: aligned base, head rows in whole contiguous units, unit-aligned strides."""
+    sb, so, sh, su, se, xl = strides
+    ue = 16 // esize
+    if a.ptr % 16 or shape[3] % ue:
+        return False
+    if xl:  # the x-packed key: x elements contiguous, one unit
+        inner_ok = (se == 1 or (1 << xl) == 1) and (1 << xl) == ue
+        unit_stride = su
+    else:
+        inner_ok = su == 1 or shape[3] == 1
+        unit_stride = ue
+    dims = ((shape[0], sb), (shape[1], so), (shape[2], sh), (shape[3] // ue, unit_stride))
+    return inner_ok and all(n <= 1 or (st * esize) % 16 == 0 for n, st in dims)
+
+
+def _check_index(op, name, a, ndim, dims):
+    if a.kind != "i32":
+        fail_type(op, name, "of dtype int32 (vLLM's index dtype; not cast)", f"dtype {a.dtype_name}")
+    check_ndim(op, name, a, ndim)
+    return a
+
+
+def _scale(op, name, obj, like, num_kv_heads):
+    s = ad.wrap(op, name, obj)
+    check_kind(op, name, s, ("f32",))
+    if s.ndim > 1 or s.size not in (1, num_kv_heads):
+        fail_value(op, name, f"a float32 array of shape [1] or [num_kv_heads] = [{num_kv_heads}]",
+                   f"shape {list(s.shape)}")
+    check_same_device(op, name, s, "query", like)
+    return s
+
+
+class _Decode:
+    """The checked arguments of one paged_decode_attention call."""
+    __slots__ = ("q", "k", "v", "bt", "sl", "ks", "vs", "kshape", "kstr", "kext", "vstr", "vext",
+                 "num_seqs", "num_heads", "head_size", "num_kv_heads", "block_size", "fp8",
+                 "cache_kind")
+
+
+def _check_decode(op, query, key_cache, value_cache, block_tables, seq_lens, scale, softcap,
+                  sliding_window, kv_cache_dtype, k_scale, v_scale, return_lse, max_seq_len):
+    a = _Decode()
+    q = a.q = ad.wrap(op, "query", query)
+    check_kind(op, "query", q, ACTIVATION_KINDS)
+    check_ndim(op, "query", q, 3)
+    a.num_seqs, a.num_heads, a.head_size = q.shape
+    if not 1 <= a.head_size <= MAX_HEAD_SIZE:
+        fail_value(op, "query", f"of head_size 1 .. {MAX_HEAD_SIZE}", f"shape {list(q.shape)}")
+    C.choice(op, "kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
+    if kv_cache_dtype == "fp8_e5m2":
+        fail_value(op, "kv_cache_dtype", "'auto', 'fp8' or 'fp8_e4m3' (E5M2 caches are not "
+                   "supported)", repr(kv_cache_dtype))
+    a.fp8 = kv_cache_dtype != "auto"
+    k = a.k = ad.wrap(op, "key_cache", key_cache)
+    v = a.v = ad.wrap(op, "value_cache", value_cache)
+    for name, c in (("key_cache", k), ("value_cache", v)):
+        if a.fp8:
+            check_kind(op, name, c, ("fp8", "u8"))
+        elif c.kind != q.kind:
+            fail_type(op, name, f"of the query's dtype ({q.dtype_name}) with kv_cache_dtype='auto'",
+                      f"dtype {c.dtype_name}")
+        check_same_device(op, name, c, "query", q)
+    if v.ndim != 4:
+        fail_value(op, "value_cache", "4-D [num_blocks, block_size, num_kv_heads, head_size]",
+                   f"a {v.ndim}-D array of shape {list(v.shape)}")
+    if k.ndim not in (4, 5):
+        fail_value(op, "key_cache", "4-D [num_blocks, block_size, num_kv_heads, head_size] or the "
+                   "5-D x-packed [num_blocks, num_kv_heads, head_size // x, block_size, x]",
+                   f"a {k.ndim}-D array of shape {list(k.shape)}")
+    esize = 1 if a.fp8 else q.itemsize
+    a.cache_kind = "fp8" if a.fp8 else q.kind
+    x = 16 // esize
+    vshape, a.vstr, a.vext = _cache_strides(op, "value_cache", v, None, a.head_size, x)
+    a.kshape, a.kstr, a.kext = _cache_strides(op, "key_cache", k, None, a.head_size, x)
+    num_blocks, a.block_size, a.num_kv_heads, hs = vshape
+    if hs != a.head_size:
+        fail_value(op, "value_cache", f"of head_size {a.head_size} (the query's)",
+                   f"shape {list(v.shape)}")
+    if a.kshape != vshape:
+        fail_value(op, "key_cache", f"the logical shape of 'value_cache' {list(vshape)} "
+                   "([num_blocks, block_size, num_kv_heads, head_size])",
+                   f"shape {list(k.shape)}" + (f" (logical {list(a.kshape)})" if k.ndim == 5 else ""))
+    if a.block_size < 1 or a.num_kv_heads < 1 or a.num_heads % a.num_kv_heads:
+        fail_value(op, "value_cache", f"num_kv_heads >= 1 dividing num_heads = {a.num_heads} and "
+                   "block_size >= 1", f"block_size {a.block_size}, num_kv_heads {a.num_kv_heads}")
+    bt = a.bt = _check_index(op, "block_tables", ad.wrap(op, "block_tables", block_tables), 2,
+                             "[num_seqs, max_blocks]")
+    if bt.shape[0] != a.num_seqs:
+        check_shape(op, "block_tables", bt, (a.num_seqs, bt.shape[1]), "[num_seqs, max_blocks]")
+    sl = a.sl = _check_index(op, "seq_lens", ad.wrap(op, "seq_lens", seq_lens), 1, "[num_seqs]")
+    check_shape(op, "seq_lens", sl, (a.num_seqs,), "[num_seqs]")
+    for name, arr in (("block_tables", bt), ("seq_lens", sl)):
+        check_same_device(op, name, arr, "query", q)
+    C.real(op, "scale", scale)
+    if softcap is not None:
+        C.real(op, "softcap", softcap, low=0.0)
+    if sliding_window is not None and (isinstance(sliding_window, bool)
+                                       or not isinstance(sliding_window, numbers.Integral)
+                                       or sliding_window < 1):
+        fail_value(op, "sliding_window", "None or an int >= 1 (tokens a query sees, itself "
+                   "included)", repr(sliding_window))
+    if max_seq_len is not None and (isinstance(max_seq_len, bool)
+                                    or not isinstance(max_seq_len, numbers.Integral)
+                                    or max_seq_len < 0):
+        fail_value(op, "max_seq_len", "None or an int >= 0", repr(max_seq_len))
+    if not isinstance(return_lse, bool):
+        fail_type(op, "return_lse", "a bool", repr(return_lse))
+    a.ks = _scale(op, "k_scale", k_scale, q, a.num_kv_heads) if k_scale is not None else None
+    a.vs = _scale(op, "v_scale", v_scale, q, a.num_kv_heads) if v_scale is not None else None
+    if a.fp8 and (a.ks is None or a.vs is None):
+        fail_value(op, "k_scale" if a.ks is None else "v_scale",
+                   f"a float32 device array ([1] or [num_kv_heads]) with kv_cache_dtype="
+                   f"{kv_cache_dtype!r}", "None")
+    return a
+
+
+def layout(query, key_cache, value_cache, kv_cache_dtype="auto"):
+    """``"vec"`` (16-byte loads) or ``"scalar"`` (element loads): the path
+    :func:`paged_decode_attention` takes for these arrays."""
+    op = "loomnb.layout"
+    q = ad.wrap(op, "query", query)
+    fp8 = kv_cache_dtype != "auto"
+    esize = 1 if fp8 else q.itemsize
+    ok = True
+    for name, obj in (("key_cache", key_cache), ("value_cache", value_cache)):
+        c = ad.wrap(op, name, obj)
+        shape, strides, _ = _cache_strides(op, name, c, None, q.shape[-1], 16 // esize)
+        ok = ok and _vectorizable(c, strides, shape, esize)
+    return "vec" if ok else "scalar"
+
+
+def _fake_decode(query, *_, **__):
+    return (query.new_empty(query.shape),
+            query.new_empty((query.shape[1], query.shape[0]), dtype=ad._torch.float32))
+
+
+def _eager_with_lse(**kw):
+    """The registered op: always both outputs."""
+    return paged_decode_attention(**kw, return_lse=True)
+
+
+# ---------------------------------------------------------------------------------------------
+@torch_op("Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+          "Tensor seq_lens, float scale, *, float? softcap=None, int? sliding_window=None, "
+          "str kv_cache_dtype='auto', Tensor? k_scale=None, Tensor? v_scale=None, "
+          "int? max_seq_len=None", outputs=("out", "lse"), fake=_fake_decode, eager=_eager_with_lse)
+def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, *,
+                           softcap=None, sliding_window=None, kv_cache_dtype="auto", k_scale=None,
+                           v_scale=None, out=None, return_lse=False, max_seq_len=None, lse=None,
+                           stream=None):
+    """Decode attention of one query token per sequence over its paged KV cache (MQA/GQA).
+
+    For sequence ``s`` (``L = seq_lens[s]`` tokens, the new one included) and query head ``h``
+    (KV head ``hk = h // (num_heads // num_kv_heads)``), over the visible keys ``j in [start,
+    L)``, ``start = max(0, L - sliding_window)`` (0 without a window)::
+
+        z_j = scale * sum_d f(q[s, h, d]) * k_j[hk, d]        (softcap: z_j = cap * tanh(z_j / cap))
+        lse[h, s] = log(sum_j exp(z_j))                        natural log
+        out[s, h] = r(sum_j exp(z_j - lse[h, s]) * v_j[hk])
+
+    where token ``j``'s rows sit in block ``block_tables[s, j // block_size]`` at offset ``j %
+    block_size``; FP8 caches hold ``stored = real / scale`` E4M3 codes, read as
+    ``f(code) * k_scale[hk]`` (``v_scale`` for values). Float32 throughout (FlashAttention's
+    numerics: online softmax, normalised once at the end, no epsilon; split-K partials merged
+    by their LSEs), ``r`` rounds once to the query dtype. No visible key (``L = 0``): ``out =
+    0``, ``lse = -inf``. NaN in a visible key or value propagates; rows past ``seq_len`` and
+    ``block_tables`` entries past ``cdiv(seq_len, block_size)`` are never read (stale values,
+    NaN, any block number).
+
+    Args:
+        query: ``[num_seqs, num_heads, head_size]`` bf16, fp16 or fp32, any strides;
+            ``head_size`` 1..256.
+        key_cache, value_cache: logical ``[num_blocks, block_size, num_kv_heads, head_size]``
+            strided views (module docstring), non-negative strides; ``key_cache`` may be vLLM's
+            5-D x-packed key. The query's dtype, or ``float8_e4m3fn``/``uint8`` E4M3 codes
+            with an FP8 ``kv_cache_dtype``. ``num_heads % num_kv_heads == 0``.
+        block_tables: int32 ``[num_seqs, max_blocks]``. seq_lens: int32 ``[num_seqs]``; a value
+            outside ``[0, max_blocks * block_size]`` is clamped into it on the device (so no
+            read leaves ``block_tables``); block numbers are not checked (a device read).
+        scale: the softmax scale (usually ``head_size ** -0.5``), a finite real.
+        softcap: None or 0 (off), or ``cap > 0``: logits ``cap * tanh(z / cap)``.
+        sliding_window: None, or ``W >= 1``: the last ``W`` tokens only -- vLLM's FlashAttention
+            window ``(W - 1, 0)``.
+        kv_cache_dtype: ``"auto"`` (the caches hold the query's dtype), ``"fp8"`` or
+            ``"fp8_e4m3"`` (E4M3 codes); ``"fp8_e5m2"`` is rejected.
+        k_scale, v_scale: float32 device arrays ``[1]`` (or 0-D) or ``[num_kv_heads]``;
+            required with an FP8 cache, ignored (but checked) with ``"auto"``, as vLLM's
+            FlashAttention backend.
+        out: optional ``[num_seqs, num_heads, head_size]`` of the query dtype; allocated when
+            None. Must not overlap any input.
+        return_lse: also return ``lse``, float32 ``[num_heads, num_seqs]`` (natural log: what
+            :func:`merge_attn_states` and vLLM's merge expect).
+        max_seq_len: optional host-side bound of ``seq_lens``: only chooses the splits
+            (:func:`num_splits`; default ``max_blocks * block_size``); a wrong bound is slower,
+            never wrong.
+        lse: optional float32 ``[num_heads, num_seqs]`` output; implies ``return_lse``.
+        stream: CUDA stream; default the caller's current stream.
+
+    Returns ``out``, or ``(out, lse)``. Mutates ``out`` and ``lse`` only. Empty batch: no launch.
+
+    Raises ``LoomnbTypeError`` for a wrong dtype (index arrays are int32, never cast) and
+    ``LoomnbValueError`` for shapes, strides, devices, overlaps and options -- before any launch.
+
+    Matches vLLM 0.24's FlashAttention decode (``flash_attn_varlen_func`` with ``seqused_k``,
+    ``block_table``, ``window_size = (W - 1, 0)``, ``softcap``, ``return_softmax_lse``) and
+    FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper``. Differs: FP8 caches are dequantised to
+    float32 (vLLM's FA3 path also quantises the query to FP8; the legacy ``paged_attention``
+    rounds keys, values and probabilities to the query dtype and adds 1e-6 to the sum); the
+    split count (hence the last float32 bits) depends on the batch shape, as FlashAttention's.
+    """
+    if ad.is_compiling():
+        o, l_ = paged_decode_attention.traced(
+            query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+            seq_lens=seq_lens, scale=scale, softcap=softcap, sliding_window=sliding_window,
+            kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
+            max_seq_len=max_seq_len, out=out, lse=lse, stream=stream)
+        return (o, l_) if return_lse is True or lse is not None else o
+    want_lse = return_lse is True or lse is not None
+    tag = ("paged_decode_attention+lse" if want_lse else "paged_decode_attention") \
+        if type(return_lse) is bool else None
+    k = (L.key(tag, (scale, softcap, sliding_window, kv_cache_dtype, max_seq_len), query,
+               key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale, out, lse)
+         if stream is None and tag is not None else None)
+    if k is not None and (hit := L.replay(k)) is not None:
+        o, l_ = L.fill(hit, out, lse if want_lse else 0)
+        return (o, l_) if want_lse else o
+    op = "loomnb.paged_decode_attention"
+    a = _check_decode(op, query, key_cache, value_cache, block_tables, seq_lens, scale, softcap,
+                      sliding_window, kv_cache_dtype, k_scale, v_scale, return_lse, max_seq_len)
+    q = a.q
+    S, Hq, D, Hk = a.num_seqs, a.num_heads, a.head_size, a.num_kv_heads
+    oa = C.output(op, "out", out, like=q, kind=q.kind, shape=q.shape, like_name="query")
+    la = (C.output(op, "lse", lse, like=q, kind="f32", shape=(Hq, S), like_name="query")
+          if want_lse else None)
+    C.writable(op, {"out": oa, "lse": la})
+    C.no_overlap(op, {"out": oa, "lse": la},
+                 {"query": q, "key_cache": a.k, "value_cache": a.v, "block_tables": a.bt,
+                  "seq_lens": a.sl, "k_scale": a.ks, "v_scale": a.vs})
+    if S == 0 or Hq == 0:
+        return (oa.obj, la.obj) if want_lse else oa.obj
+    _launch_decode(op, a, oa, la, float(scale), softcap, sliding_window, max_seq_len, stream, k)
+    return (oa.obj, la.obj) if want_lse else oa.obj
+
+
+def _launch_decode(op, a, oa, la, scale, softcap, sliding_window, max_seq_len, stream, key):
+    q = a.q
+    S, Hq, D, Hk, B = a.num_seqs, a.num_heads, a.head_size, a.num_kv_heads, a.block_size
+    G = Hq // Hk
+    NC = -(-G // GC)
+    GCH = -(-G // NC)
+    max_blocks = a.bt.shape[1]
+    context = max_blocks * B if max_seq_len is None else min(max_seq_len, max_blocks * B)
+    if sliding_window:
+        context = min(context, sliding_window)
+    P = num_splits(S, Hk, NC, context, _sm_count(q.lib, q.device))
+    esize = 1 if a.fp8 else q.itemsize
+    vec = (_vectorizable(a.k, a.kstr, a.kshape, esize)
+           and _vectorizable(a.v, a.vstr, a.kshape, esize))
+    spec = DecodeSpec(q.kind, a.cache_kind, "vec" if vec else "scalar",
+                      lanes_for(D) if vec else LANES[-1])
+    threads = L.forced_threads() or DECODE_THREADS
+
+    def cache_param(c, ext):
+        return L.array(c, (ext,), (1,), words=vec)
+
+    def strides(st):
+        sb, so, sh, su, se, xl = st
+        if vec:  # words; the unit stride in words (contiguous head rows: one unit = 4 words)
+            w = lambda n: n * esize // 4  # noqa: E731
+            return [w(sb), w(so), w(sh), w(su) if xl else 4, 0, 0]
+        return [sb, so, sh, su, se, xl]
+
+    if P > 1:
+        ws_acc = C.output(op, "workspace", None, like=q, kind="f32", shape=(S, Hq, P, D))
+        ws_ml = C.output(op, "workspace", None, like=q, kind="f32", shape=(S, Hq, P, 2))
+        pacc, pml = L.array(ws_acc), L.array(ws_ml)
+    else:
+        pacc, pml = L.absent("float32", 4), L.absent("float32", 4)
+    lse_p = L.array(la) if la is not None else L.absent("float32", 2)
+    absent_scale = L.absent("float32", 1)
+    ks = L.array(a.ks, (Hk,), (0 if a.ks.size == 1 else a.ks.strides[-1],)) if a.fp8 else absent_scale
+    vs = L.array(a.vs, (Hk,), (0 if a.vs.size == 1 else a.vs.strides[-1],)) if a.fp8 else absent_scale
+    cap = float(softcap) if softcap else 0.0
+    bsh = B.bit_length() - 1 if B & (B - 1) == 0 else -1
+    ints = [D, Hk, G, NC, GCH, P, B, bsh, *strides(a.kstr), *strides(a.vstr),
+            sliding_window or 0, 1 if la is not None else 0]
+    params = ([L.array(oa), lse_p, pacc, pml, L.array(q), cache_param(a.k, a.kext),
+               cache_param(a.v, a.vext), L.array(a.bt), L.array(a.sl), ks, vs]
+              + [L.i64(v) for v in ints]
+              + [L.f32(scale if cap else scale * LOG2E), L.f32(1.0 / cap if cap else 0.0),
+                 L.f32(cap * LOG2E)])
+    grid = S * P * Hk * NC
+    L.launch(decode_kernel, spec, grid, threads, params, like=q, stream=stream, key=key,
+             part=(0, 2) if P > 1 else (0, 1))
+    if P > 1:
+        mspec = MergeSpec(q.kind)
+        mthreads = L.forced_threads() or min(256, max(32, -(-D // 32) * 32))
+        mparams = [L.array(oa), lse_p, pacc, pml, L.i64(D), L.i64(Hq), L.i64(P),
+                   L.i64(1 if la is not None else 0)]
+        L.launch(split_merge_kernel, mspec, S * Hq, mthreads, mparams, like=q, stream=stream,
+                 key=key, part=(1, 2))
+
+
+# ---------------------------------------------------------------------------------------------
+def _check_states(op, output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse):
+    o = ad.wrap(op, "output", output)
+    check_kind(op, "output", o, ACTIVATION_KINDS)
+    check_ndim(op, "output", o, 3)
+    N, H, D = o.shape
+    ins = {}
+    for name, obj in (("prefix_output", prefix_output), ("suffix_output", suffix_output)):
+        a = ins[name] = ad.wrap(op, name, obj)
+        if a.kind != o.kind:
+            fail_type(op, name, f"of the same dtype as 'output' ({o.dtype_name})", f"dtype {a.dtype_name}")
+        check_shape(op, name, a, o.shape, "[num_tokens, num_heads, head_size] like 'output'")
+        check_same_device(op, name, a, "output", o)
+    for name, obj in (("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse), ("output_lse", output_lse)):
+        if obj is None:
+            ins[name] = None
+            continue
+        a = ins[name] = ad.wrap(op, name, obj)
+        check_kind(op, name, a, ("f32",))
+        check_shape(op, name, a, (H, N), "[num_heads, num_tokens]")
+        check_same_device(op, name, a, "output", o)
+    if ins["prefix_lse"] is None or ins["suffix_lse"] is None:
+        fail_type(op, "prefix_lse" if ins["prefix_lse"] is None else "suffix_lse",
+                  "a float32 array [num_heads, num_tokens]", "None")
+    return o, ins
+
+
+@torch_op("Tensor(a!) output, Tensor prefix_output, Tensor prefix_lse, Tensor suffix_output, "
+          "Tensor suffix_lse, Tensor(b!)? output_lse=None", returns=("output",))
+def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse,
+                      output_lse=None, *, stream=None):
+    """Merge two attention results over disjoint key sets by their LSEs (vLLM 0.24's CUDA op).
+
+    Per token ``n`` and head ``h``, with ``a = prefix_lse[h, n]``, ``b = suffix_lse[h, n]``
+    (an infinite LSE counts as -inf), ``M = fmaxf(a, b)``::
+
+        both -inf:  output[n, h] = prefix_output[n, h] (bit for bit), output_lse[h, n] = -inf
+        else:       pa, pb = expf(a - M), expf(b - M);  wa, wb = pa / (pa + pb), pb / (pa + pb)
+                    output[n, h, d] = r(fmaf(f(prefix_output[n, h, d]), wa, f(suffix_output[n, h, d]) * wb))
+                    output_lse[h, n] = logf(pa + pb) + M
+
+    So a partition with LSE -inf (no keys) contributes nothing: the result is the other one
+    exactly, never NaN (a NaN LSE makes the row NaN).
+
+    Args:
+        output: ``[num_tokens, num_heads, head_size]`` bf16/fp16/fp32, any strides; written.
+        prefix_output, suffix_output: like ``output`` (same dtype and shape), any strides.
+        prefix_lse, suffix_lse: float32 ``[num_heads, num_tokens]``, natural log (what
+            :func:`paged_decode_attention` and FlashAttention return).
+        output_lse: optional float32 ``[num_heads, num_tokens]``; written.
+        stream: CUDA stream; default the caller's current stream.
+
+    Returns ``output``. Mutates ``output`` and ``output_lse``; ``output`` may not overlap an
+    input. Raises as :func:`paged_decode_attention`. Matches vLLM
+    ``torch.ops._C.merge_attn_states(output, output_lse, prefix_output, prefix_lse,
+    suffix_output, suffix_lse)`` (since PR #28181; its Triton fallback still gives NaN for two
+    empty partitions); unlike it, any strides and head sizes are accepted.
+    """
+    if ad.is_compiling():
+        return merge_attn_states.traced(output=output, prefix_output=prefix_output,
+                                        prefix_lse=prefix_lse, suffix_output=suffix_output,
+                                        suffix_lse=suffix_lse, output_lse=output_lse, stream=stream)
+    k = (L.key("merge_attn_states", (), output, prefix_output, prefix_lse, suffix_output,
+               suffix_lse, output_lse) if stream is None else None)
+    if k is not None and L.replay(k) is not None:
+        return output
+    op = "loomnb.merge_attn_states"
+    o, ins = _check_states(op, output, prefix_output, prefix_lse, suffix_output, suffix_lse,
+                           output_lse)
+    ol = ins.pop("output_lse")
+    C.writable(op, {"output": o, "output_lse": ol})
+    C.no_overlap(op, {"output": o, "output_lse": ol}, ins)
+    N, H, D = o.shape
+    if N * H == 0:
+        return output
+    threads = L.forced_threads() or STATES_THREADS
+    rows_per_block = threads // 32
+    params = [L.array(o), L.array(ol) if ol is not None else L.absent("float32", 2),
+              L.array(ins["prefix_output"]), L.array(ins["prefix_lse"]),
+              L.array(ins["suffix_output"]), L.array(ins["suffix_lse"]),
+              L.i64(N), L.i64(H), L.i64(D), L.i64(1 if ol is not None else 0)]
+    L.launch(merge_states_kernel, MergeSpec(o.kind), -(-(N * H) // rows_per_block), threads,
+             params, like=o, stream=stream, key=k)
+    return output
