@@ -328,5 +328,7 @@ def scaled_fp8_dequant(q, scale, dtype, *, out=None, stream=None):
 
 def _np_dtype(dtype):
     """A NumPy dtype from a NumPy/ml_dtypes dtype, its name, or a torch dtype."""
-    name = str(dtype).replace("torch.", "")
-    return np.dtype(getattr(ml_dtypes, name, name) if name == "bfloat16" else name)
+    if isinstance(dtype, str) or type(dtype).__module__.startswith("torch"):
+        name = str(dtype).replace("torch.", "")
+        return np.dtype(ml_dtypes.bfloat16 if name == "bfloat16" else name)
+    return np.dtype(dtype)
