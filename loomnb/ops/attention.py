@@ -43,6 +43,7 @@ __all__ = ["paged_decode_attention", "merge_attn_states"]
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 MAX_HEAD_SIZE = EPL * LANES[-1]  # 256
 DECODE_THREADS = 128             # 4 warps per CTA
+MAX_DECODE_THREADS = 256         # ~200 registers a thread: more threads could not launch
 STATES_THREADS = 128             # merge_attn_states: 4 (token, head) rows per CTA
 SPLIT_TARGET_PER_SM = 2          # CTAs per SM the split rule aims for (about one resident wave)
 MIN_SPLIT_TOKENS = 128           # a split reads at least this many tokens
@@ -359,7 +360,7 @@ def _launch_decode(op, a, oa, la, scale, softcap, sliding_window, max_seq_len, s
            and _vectorizable(a.v, a.vstr, a.kshape, esize))
     spec = DecodeSpec(q.kind, a.cache_kind, "vec" if vec else "scalar",
                       lanes_for(D) if vec else LANES[-1])
-    threads = L.forced_threads() or DECODE_THREADS
+    threads = min(L.forced_threads() or DECODE_THREADS, MAX_DECODE_THREADS)
 
     def cache_param(c, ext):
         return L.array(c, (ext,), (1,), words=vec)
