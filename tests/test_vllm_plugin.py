@@ -1,0 +1,774 @@
+"""The vLLM plug-in (``loomnb.integrations.vllm``) and the A/B benchmark's plumbing.
+
+Without vLLM (CI's CPU machine) the plug-in's own logic is tested against a fake ``vllm``
+package made here: the IR-op and CustomOp registries with the checks vLLM 0.24.0's
+``register_impl`` makes, so registration, the listing, argument routing and fallback counting
+run for real. The implementations' signatures are compared with a copy of vLLM 0.24.0's native
+ones. ``benchmarks/bench_vllm_ab.py --dry-run`` runs the A/B's fresh-process plumbing with a fake
+engine. Tests that need vLLM itself skip, saying so; the ``gpu`` tests run the implementations
+on CUDA tensors (bit-equal to loomnb's ops and the oracle, graph capture, the traced form).
+"""
+
+import importlib.util
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tomllib
+import types
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import Tensor  # noqa: E402
+from torch.library import infer_schema  # noqa: E402
+
+import loomnb  # noqa: E402
+import loomnb.integrations.vllm as V  # noqa: E402
+from loomnb import LoomnbValueError  # noqa: E402
+
+pytestmark = pytest.mark.nosim
+REPO = Path(__file__).resolve().parent.parent
+BF16 = torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM 0.24.0's native IR implementations, signatures only: copied from the vllm-0.24.0 wheel
+# (version 0.24.0, commit ee0da84ab), vllm/ir/ops/layernorm.py. vLLM's IrOpImpl requires
+# infer_schema(impl) == infer_schema(native) (vllm/ir/op.py, IrOpImpl.__init__).
+def native_rms_norm(x: Tensor, weight: Tensor | None, epsilon: float,
+                    variance_size: int | None = None) -> Tensor:
+    raise AssertionError("signature only")
+
+
+def native_fused_add_rms_norm(x: Tensor, x_residual: Tensor, weight: Tensor | None,
+                              epsilon: float, variance_size: int | None = None
+                              ) -> tuple[Tensor, Tensor]:
+    raise AssertionError("signature only")
+
+
+NATIVE = {"rms_norm": native_rms_norm, "fused_add_rms_norm": native_fused_add_rms_norm}
+NATIVE_SCHEMAS = {  # what torch 2.13's infer_schema makes of them
+    "rms_norm": "(Tensor x, Tensor? weight, float epsilon, SymInt? variance_size=None) -> Tensor",
+    "fused_add_rms_norm": "(Tensor x, Tensor x_residual, Tensor? weight, float epsilon, "
+                          "SymInt? variance_size=None) -> (Tensor, Tensor)",
+}
+
+
+@pytest.mark.parametrize("name", list(NATIVE))
+def test_implementations_have_vllm_0_24_native_signatures(name):
+    impl, supports, _, _ = V.IR_OPS[name]
+    assert infer_schema(NATIVE[name], mutates_args=[]) == NATIVE_SCHEMAS[name]
+    assert infer_schema(impl, mutates_args=[]) == NATIVE_SCHEMAS[name]
+    # supports_args: the native parameter names and defaults (vLLM checks both)
+    native_params = [(p.name, p.default) for p in inspect.signature(NATIVE[name]).parameters.values()]
+    assert [(p.name, p.default) for p in inspect.signature(supports).parameters.values()] == native_params
+
+
+# ---------------------------------------------------------------------------------------------
+# A fake vllm package: the parts the plug-in touches, with vLLM 0.24.0's registration checks.
+class FakeImpl:
+    def __init__(self, provider, impl_fn, supported, supports_args, inplace):
+        self.provider, self.impl_fn, self.supported = provider, impl_fn, supported
+        self._supports_args, self.inplace = supports_args, inplace
+
+    def supports_args(self, *args):
+        return self._supports_args is None or self._supports_args(*args)
+
+
+class FakeIrOp:
+    """vLLM's IrOp registry as far as the plug-in goes: ``impls``, ``register_impl`` (rejecting a
+    schema other than the native one, supports_args with other names or defaults, a taken
+    provider name, inplace on an op that does not allow it) and a priority ``dispatch``."""
+
+    def __init__(self, native, allow_inplace):
+        self.native, self.allow_inplace = native, allow_inplace
+        self.impls = {"native": FakeImpl("native", native, True, None, False)}
+
+    def register_impl(self, provider, *, supported=True, supports_args=None, inplace=False):
+        def deco(fn):
+            assert provider not in self.impls, f"provider {provider} already registered"
+            if infer_schema(fn, mutates_args=[]) != infer_schema(self.native, mutates_args=[]):
+                raise ValueError(f"{provider}: schema does not match the native one")
+            if supports_args is not None:
+                want = [(p.name, p.default) for p in inspect.signature(self.native).parameters.values()]
+                got = [(p.name, p.default) for p in inspect.signature(supports_args).parameters.values()]
+                if want != got:
+                    raise ValueError(f"{provider}: supports_args parameters {got} != {want}")
+            assert not inplace or self.allow_inplace
+            self.impls[provider] = impl = FakeImpl(provider, fn, supported, supports_args, inplace)
+            return impl
+        return deco
+
+    def dispatch(self, priority, *args):
+        for p in priority:
+            impl = self.impls[p]
+            if impl.supported and impl.supports_args(*args):
+                return impl
+        return self.impls["native"]
+
+
+CALLS = []  # which implementation the fake CustomOps ran
+
+
+class FakeCustomOp:
+    registry_oot = {}
+
+    @classmethod
+    def register_oot(cls, op_cls=None, name=None):
+        def deco(c):
+            reg = name if name is not None else cls.__name__
+            assert reg not in FakeCustomOp.registry_oot, f"Duplicate op name: {reg}"
+            c.name = reg
+            FakeCustomOp.registry_oot[reg] = c
+            return c
+        return deco(op_cls) if op_cls is not None else deco
+
+
+class SiluAndMul(FakeCustomOp):
+    name = "silu_and_mul"
+
+    def forward_cuda(self, x):
+        CALLS.append("vllm silu_and_mul")
+        d = x.shape[-1] // 2
+        return torch.nn.functional.silu(x[..., :d]) * x[..., d:2 * d]
+
+
+class RotaryEmbedding(FakeCustomOp):
+    def __init__(self, head_size, cos_sin_cache, is_neox_style=True):
+        self.head_size, self.cos_sin_cache, self.is_neox_style = head_size, cos_sin_cache, is_neox_style
+        self.use_flashinfer = False
+
+    def _match_cos_sin_cache_dtype(self, query):
+        return self.cos_sin_cache.to(query.dtype)
+
+    def forward_cuda(self, positions, query, key=None):
+        CALLS.append("vllm rotary_embedding")
+        return query, key
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """Install the fake vllm modules; the plug-in's state is reset around the test."""
+    def module(name, **attrs):
+        m = types.ModuleType(name)
+        m.__path__ = []
+        m.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, m)
+        return m
+
+    platform = types.SimpleNamespace(cuda=True)
+    platform.is_cuda = lambda: platform.cuda
+    ops = types.SimpleNamespace(rms_norm=FakeIrOp(native_rms_norm, False),
+                                fused_add_rms_norm=FakeIrOp(native_fused_add_rms_norm, True))
+    vllm = module("vllm", __version__="0.24.0")
+    vllm.ir = module("vllm.ir", ops=ops)
+    vllm.platforms = module("vllm.platforms", current_platform=platform)
+    module("vllm.model_executor")
+    module("vllm.model_executor.custom_op", op_registry_oot=FakeCustomOp.registry_oot,
+           CustomOp=FakeCustomOp)
+    module("vllm.model_executor.layers")
+    module("vllm.model_executor.layers.activation", SiluAndMul=SiluAndMul)
+    module("vllm.model_executor.layers.rotary_embedding")
+    module("vllm.model_executor.layers.rotary_embedding.base", RotaryEmbedding=RotaryEmbedding)
+    FakeCustomOp.registry_oot.clear()
+    CALLS.clear()
+    V._reset()
+    yield types.SimpleNamespace(ops=ops, platform=platform, oot=FakeCustomOp.registry_oot)
+    V._reset()
+    FakeCustomOp.registry_oot.clear()
+
+
+def _traced_stub(fn):
+    fn.traced = fn  # stands for the torch custom op every loomnb op carries
+    return fn
+
+
+@pytest.fixture
+def loomnb_ops(monkeypatch):
+    """loomnb.silu_and_mul / rotary_embedding as plain-torch stubs (recording their calls), so
+    the CustomOp routes run on the CPU whether or not those families exist in this checkout."""
+    @_traced_stub
+    def silu_and_mul(x, out=None, *, stream=None):
+        d = x.shape[-1] // 2
+        return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+    @_traced_stub
+    def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox,
+                         rope_dim_offset=0, inverse=False, *, stream=None):
+        CALLS.append(("loomnb rotary_embedding", head_size, is_neox))
+        return query, key
+
+    monkeypatch.setattr(loomnb, "silu_and_mul", silu_and_mul, raising=False)
+    monkeypatch.setattr(loomnb, "rotary_embedding", rotary_embedding, raising=False)
+    monkeypatch.setattr(V, "_CUDA", "cpu")  # route CPU tensors: the stubs run anywhere
+    return types.SimpleNamespace(silu_and_mul=silu_and_mul, rotary_embedding=rotary_embedding)
+
+
+def routes():
+    return {r.vllm_op: r for r in V.routes()}
+
+
+# ---------------------------------------------------------------------------------------------
+def test_routes_before_register_say_so():
+    V._reset()
+    rs = V.routes()
+    assert [r.vllm_op for r in rs] == ["vllm.ir.ops.rms_norm", "vllm.ir.ops.fused_add_rms_norm",
+                                       "SiluAndMul", "RotaryEmbedding"]
+    assert all(not r.routed and "register() has not run" in r.reason for r in rs)
+
+
+def test_register_routes_the_norms(fake_vllm):
+    V.register()
+    rs = routes()
+    for name, inplace in (("rms_norm", False), ("fused_add_rms_norm", True)):
+        r = rs[f"vllm.ir.ops.{name}"]
+        assert r.routed and r.reason == "registered", r
+        assert r.enable == f"ir_op_priority={{'{name}': ['loomnb', 'vllm_c', 'native']}}"
+        impl = getattr(fake_vllm.ops, name).impls["loomnb"]
+        assert impl.impl_fn is V.IR_OPS[name][0] and impl.supported and impl.inplace is inplace
+    assert V.report()["vllm_version"] == "0.24.0" and V.report()["registered"]
+
+
+def test_register_twice_changes_nothing(fake_vllm, loomnb_ops):
+    V.register()
+    before = V.routes()
+    V.register()
+    assert V.routes() == before
+    V._STATE["registered"] = False  # a second register() run in the same process
+    V.register()
+    assert V.routes() == before
+    assert set(fake_vllm.ops.rms_norm.impls) == {"native", "loomnb"}
+
+
+def test_not_cuda_platform_registers_unsupported(fake_vllm):
+    fake_vllm.platform.cuda = False
+    V.register()
+    r = routes()["vllm.ir.ops.rms_norm"]
+    assert not r.routed and "not CUDA" in r.reason
+    assert fake_vllm.ops.rms_norm.impls["loomnb"].supported is False
+
+
+def test_schema_mismatch_refuses_with_a_placeholder(fake_vllm, caplog):
+    """A vLLM whose native signature differs (here ``eps`` for ``epsilon``): nothing of
+    loomnb's is registered; an unsupported placeholder keeps priority lists naming 'loomnb'
+    valid; the listing and the log say why."""
+    def other_native(x: Tensor, weight: Tensor | None, eps: float,
+                     variance_size: int | None = None) -> Tensor:
+        raise AssertionError
+
+    fake_vllm.ops.rms_norm = FakeIrOp(other_native, False)
+    with caplog.at_level("WARNING", logger="vllm.loomnb"):
+        V.register()
+    r = routes()["vllm.ir.ops.rms_norm"]
+    assert not r.routed and "differs from this vLLM's native" in r.reason and "placeholder" in r.reason
+    placeholder = fake_vllm.ops.rms_norm.impls["loomnb"]
+    assert placeholder.supported is False and placeholder.impl_fn is other_native
+    assert "vllm.ir.ops.rms_norm not routed" in caplog.text
+    assert routes()["vllm.ir.ops.fused_add_rms_norm"].routed  # the other op is unaffected
+
+
+def test_vllm_not_importable(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    V._reset()
+    try:
+        V.register()
+        rs = V.routes()
+        assert len(rs) == 4 and all(not r.routed and "vLLM is not importable" in r.reason for r in rs)
+    finally:
+        V._reset()
+
+
+def test_missing_loomnb_ops_are_listed_and_left_to_vllm(fake_vllm, monkeypatch):
+    monkeypatch.delattr(loomnb, "silu_and_mul", raising=False)
+    monkeypatch.delattr(loomnb, "rotary_embedding", raising=False)
+    V.register()
+    rs = routes()
+    assert not rs["SiluAndMul"].routed
+    assert rs["SiluAndMul"].reason == "loomnb has no silu_and_mul in this version"
+    assert rs["RotaryEmbedding"].reason == "loomnb has no rotary_embedding in this version"
+    assert fake_vllm.oot == {}
+    assert V.engine_kwargs("loomnb")["compilation_config"]["custom_ops"] == [
+        "none", "+silu_and_mul", "+rotary_embedding"]
+
+
+def test_loomnb_op_with_other_parameters_is_not_routed(fake_vllm, loomnb_ops, monkeypatch):
+    @_traced_stub
+    def rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox):
+        raise AssertionError
+
+    monkeypatch.setattr(loomnb, "rotary_embedding", rotary_embedding)
+    V.register()
+    r = routes()["RotaryEmbedding"]
+    assert not r.routed and "leading parameters" in r.reason
+    assert "RotaryEmbedding" not in fake_vllm.oot and "SiluAndMul" in fake_vllm.oot
+
+
+def test_another_plugins_class_is_kept(fake_vllm, loomnb_ops):
+    class Theirs(SiluAndMul):
+        pass
+
+    fake_vllm.oot["SiluAndMul"] = Theirs
+    V.register()
+    r = routes()["SiluAndMul"]
+    assert not r.routed and "another plug-in already replaced SiluAndMul" in r.reason
+    assert fake_vllm.oot["SiluAndMul"] is Theirs
+
+
+def test_silu_and_mul_class_routes_and_falls_back(fake_vllm, loomnb_ops):
+    V.register()
+    r = routes()["SiluAndMul"]
+    assert r.routed and r.enable.startswith("compilation_config={'custom_ops': ['none', '+SiluAndMul']}")
+    cls = fake_vllm.oot["SiluAndMul"]
+    assert issubclass(cls, SiluAndMul) and cls.name == "SiluAndMul"  # vLLM enables it by that name
+    op = cls()
+    x = torch.randn(3, 8, dtype=BF16)
+    want = torch.nn.functional.silu(x[:, :4]) * x[:, 4:]
+    assert torch.equal(op.forward_cuda(x), want) and CALLS == []          # loomnb's
+    op.forward_cuda(x.float())                                            # fp32: vLLM's
+    op.forward_cuda(torch.randn(3, 7, dtype=BF16))                        # odd: vLLM's
+    op.forward_cuda(torch.randn(8, 3, dtype=BF16).t())                    # strided: vLLM's
+    assert CALLS == ["vllm silu_and_mul"] * 3
+    assert V.routed_counts() == {"silu_and_mul": 1}
+    assert V.fallback_counts() == {"silu_and_mul": {
+        "activation dtype float32 (routed: bfloat16, float16)": 1,
+        "last dimension is not even (x is not [..., 2 * d])": 1, "x not contiguous": 1}}
+
+
+def test_rotary_embedding_class_routes_and_falls_back(fake_vllm, loomnb_ops):
+    V.register()
+    cls = fake_vllm.oot["RotaryEmbedding"]
+    assert issubclass(cls, RotaryEmbedding) and cls.name == "RotaryEmbedding"
+    cache = torch.randn(32, 64, dtype=torch.float32)
+    op = cls(64, cache, is_neox_style=True)
+    qkv = torch.randn(5, (9 + 3 + 3) * 64, dtype=BF16)
+    q, k = qkv[:, :576], qkv[:, 576:768]                       # views of the fused QKV buffer
+    positions = torch.arange(5)
+    assert op.forward_cuda(positions, q, k) == (q, k)
+    assert CALLS == [("loomnb rotary_embedding", 64, True)]
+    op.forward_cuda(positions.int(), q, k)                     # int32 positions: vLLM's
+    op.forward_cuda(positions, q, None)                        # no key: loomnb's
+    op.use_flashinfer = True
+    op.forward_cuda(positions, q, k)                           # FlashInfer path: vLLM's
+    assert CALLS[1:] == ["vllm rotary_embedding", ("loomnb rotary_embedding", 64, True),
+                         "vllm rotary_embedding"]
+    assert V.routed_counts() == {"rotary_embedding": 2}
+    assert V.fallback_counts() == {"rotary_embedding": {
+        "positions is not int64 on the query's device": 1,
+        "vLLM selected its FlashInfer rotary path": 1}}
+
+
+def test_ir_dispatch_falls_back_by_priority_and_counts(fake_vllm, monkeypatch):
+    """With priority ['loomnb', 'vllm_c', 'native'], arguments loomnb does not take go to the next
+    provider, and each decision is counted by its reason."""
+    monkeypatch.setattr(V, "_CUDA", "cpu")
+    V.register()
+    op = fake_vllm.ops.rms_norm
+    op.register_impl("vllm_c", supports_args=lambda x, weight, epsilon, variance_size=None:
+                     variance_size is None)(native_rms_norm)
+    prio = ["loomnb", "vllm_c", "native"]
+    x, w = torch.randn(4, 64, dtype=BF16), torch.randn(64, dtype=BF16)
+    assert op.dispatch(prio, x, w, 1e-6).provider == "loomnb"
+    assert op.dispatch(prio, x.float(), w.float(), 1e-6).provider == "vllm_c"
+    assert op.dispatch(prio, x, None, 1e-6).provider == "vllm_c"
+    assert op.dispatch(prio, x, w.float() + 1, 1e-6).provider == "vllm_c"     # GemmaRMSNorm
+    assert op.dispatch(prio, x, w, 1e-6, 32).provider == "native"             # variance_size
+    assert V.routed_counts() == {"rms_norm": 1}
+    assert V.fallback_counts()["rms_norm"] == {
+        "activation dtype float32 (routed: bfloat16, float16)": 1,
+        "weight is None (has_weight=False)": 1,
+        "weight dtype differs from x (GemmaRMSNorm passes 1 + w in float32)": 1,
+        "variance_size set (var_hidden_size)": 1}
+    V.reset_counts()
+    assert V.routed_counts() == {} and V.fallback_counts() == {}
+    text = V.summary()
+    assert "vllm.ir.ops.rms_norm -> loomnb.rms_norm(..., rounding='once')" in text and "routed" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# The fallback checks themselves (metadata only)
+def _x(*shape, dtype=BF16):
+    return torch.empty(*shape, dtype=dtype)
+
+
+def _big():
+    return torch.empty(4, 10, 10, 10, dtype=BF16)[:, :3, :2, :8]
+
+
+RMS_CASES = [  # (x, weight, eps, variance_size, residual) -> reason
+    ("plain", lambda: (_x(5, 576), _x(576), 1e-5, None, None), None),
+    ("fused", lambda: (_x(5, 576), _x(576), 1e-5, None, _x(5, 576)), None),
+    ("one token", lambda: (_x(1, 576), _x(576), 1e-5, None, None), None),
+    ("1-D", lambda: (_x(576), _x(576), 1e-5, None, None), None),
+    ("per-head view", lambda: (_x(5, 1152)[:, :576].view(5, 9, 64), _x(64), 1e-6, None, None), None),
+    ("three strided dims", lambda: (_big(), _x(8), 1e-6, None, None),
+     "leading dimensions do not merge into two strided dimensions"),
+    ("last dim strided", lambda: (_x(576, 5).t(), _x(576), 1e-5, None, None),
+     "last dimension not contiguous"),
+    ("fp32", lambda: (_x(5, 576, dtype=torch.float32), _x(576, dtype=torch.float32), 1e-5, None, None),
+     "activation dtype float32 (routed: bfloat16, float16)"),
+    ("fp16", lambda: (_x(5, 576, dtype=torch.float16), _x(576, dtype=torch.float16), 1e-5, None, None),
+     None),
+    ("no weight", lambda: (_x(5, 576), None, 1e-5, None, None), "weight is None (has_weight=False)"),
+    ("variance_size", lambda: (_x(5, 576), _x(576), 1e-5, 64, None), "variance_size set (var_hidden_size)"),
+    ("gemma weight", lambda: (_x(5, 576), _x(576, dtype=torch.float32), 1e-5, None, None),
+     "weight dtype differs from x (GemmaRMSNorm passes 1 + w in float32)"),
+    ("weight length", lambda: (_x(5, 576), _x(512), 1e-5, None, None), "weight is not [hidden_size]"),
+    ("weight strided", lambda: (_x(5, 576), _x(1152)[::2], 1e-5, None, None), "weight not contiguous"),
+    ("residual dtype", lambda: (_x(5, 576), _x(576), 1e-5, None, _x(5, 576, dtype=torch.float16)),
+     "x_residual dtype, device or shape differs from x"),
+    ("residual strided", lambda: (_x(5, 576), _x(576), 1e-5, None, _x(576, 5).t()),
+     "last dimension not contiguous"),
+    ("eps nan", lambda: (_x(5, 576), _x(576), float("nan"), None, None), "epsilon is not a finite number >= 0"),
+    ("eps negative", lambda: (_x(5, 576), _x(576), -1e-6, None, None), "epsilon is not a finite number >= 0"),
+    ("eps bool", lambda: (_x(5, 576), _x(576), True, None, None), "epsilon is not a finite number >= 0"),
+]
+
+
+@pytest.mark.parametrize("make,want", [c[1:] for c in RMS_CASES], ids=[c[0] for c in RMS_CASES])
+def test_rms_norm_fallback_reasons(monkeypatch, make, want):
+    monkeypatch.setattr(V, "_CUDA", "cpu")
+    x, w, eps, vs, res = make()
+    assert V.rms_norm_fallback_reason(x, w, eps, vs, res) == want
+
+
+def test_rms_norm_not_routed_off_cuda():
+    assert V.rms_norm_fallback_reason(_x(5, 576), _x(576), 1e-5) == "not a CUDA tensor"
+
+
+def test_routed_layouts_are_accepted_by_loomnbs_row_rule(monkeypatch):
+    """Every layout the check routes, the scaffold's row rule (what loomnb's ops apply) accepts:
+    the check is the rule itself, on metadata."""
+    from loomnb.ops import _contract as C
+    monkeypatch.setattr(V, "_CUDA", "cpu")
+    for name, make, want in RMS_CASES:
+        x, w, eps, vs, res = make()
+        if want is None and w is not None:
+            named = [("x", V._Meta(x.shape, x.stride()))]
+            if res is not None:
+                named.append(("residual", V._Meta(res.shape, res.stride())))
+            C.rows("probe", named)  # raises LoomnbValueError if loomnb would refuse it
+
+
+def test_reasons_on_fake_tensors_with_a_symbolic_token_dimension(monkeypatch):
+    """What vLLM's lowering pass passes: fake tensors whose token dimension is symbolic. The
+    check decides without guarding on it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
+                                                       StatelessSymbolicContext)
+    monkeypatch.setattr(V, "_CUDA", "cpu")
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+
+    def fake(t, dynamic=True):
+        dims = [DimDynamic.DYNAMIC if dynamic else DimDynamic.STATIC] + [DimDynamic.STATIC] * (t.dim() - 1)
+        return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
+
+    x, res, w = fake(_x(5, 576)), fake(_x(5, 576)), fake(_x(576), dynamic=False)
+    qkv, w64 = fake(_x(5, 960)), fake(_x(64), dynamic=False)
+    with mode:
+        q = qkv[:, :576].view(-1, 9, 64)
+    assert isinstance(x.shape[0], torch.SymInt)
+    assert V.rms_norm_fallback_reason(x, w, 1e-5) is None
+    assert V.rms_norm_fallback_reason(x, w, 1e-5, x_residual=res) is None
+    assert V.rms_norm_fallback_reason(q, w64, 1e-5) is None
+    assert env.guards == []
+
+
+def test_rotary_embedding_fallback_reasons(monkeypatch):
+    monkeypatch.setattr(V, "_CUDA", "cpu")
+    qkv = _x(5, 15 * 64)
+    q, k, pos = qkv[:, :576], qkv[:, 576:768], torch.arange(5)
+    cache = _x(32, 64)
+    reason = V.rotary_embedding_fallback_reason
+    assert reason(pos, q, k, 64, cache) is None
+    assert reason(pos, q.view(5, 9, 64), k.view(5, 3, 64), 64, cache) is None
+    assert reason(pos, q, None, 64, _x(32, 32)) is None                       # partial rotary
+    assert reason(pos, q, k, 64, cache.float()).startswith("cos_sin_cache is not")
+    assert reason(pos, q, k, 64, _x(32, 66)).startswith("rot_dim")
+    assert reason(pos, q, k, 64, _x(32, 62)) is None
+    assert reason(pos, q, k, 60, cache).startswith("rot_dim")
+    assert reason(pos.view(1, 5), q, k, 64, cache) == "positions is not [num_tokens]"
+    assert reason(pos, q, k.float(), 64, cache) == "key dtype or device differs from query"
+    assert reason(pos, q[:, :570], k, 64, cache).startswith("query is not")
+    assert reason(pos, q, qkv[:, 576:832], 64, cache) == "the key's heads do not divide the query's"
+    assert reason(pos, q.float(), k.float(), 64, cache.float()).startswith("activation dtype float32")
+
+
+def test_silu_and_mul_fallback_reasons(monkeypatch):
+    assert V.silu_and_mul_fallback_reason(_x(3, 8)) == "not a CUDA tensor"
+    monkeypatch.setattr(V, "_CUDA", "cpu")
+    assert V.silu_and_mul_fallback_reason(_x(3, 8)) is None
+    assert V.silu_and_mul_fallback_reason(_x(2, 3, 8)) is None
+    assert V.silu_and_mul_fallback_reason(_x(3, 8, dtype=torch.float16)) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# What vLLM's compile path sees
+def test_lowering_trace_calls_the_loomnb_custom_ops():
+    """vLLM's lowering pass traces an implementation with make_fx on fake tensors: each norm
+    must become one torch.ops.loomnb node with rounding='once' (and the in-place fused add
+    mutates its inputs, as vLLM's own vllm_c implementation does)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    with FakeTensorMode():
+        x = torch.empty(5, 576, dtype=BF16, device="cuda")
+        w = torch.empty(576, dtype=BF16, device="cuda")
+    gm = make_fx(lambda x, w: V.ir_rms_norm(x, w, 1e-5), tracing_mode="fake")(x, w)
+    assert "torch.ops.loomnb.rms_norm.default(x_1, w_1, 1e-05, rounding = 'once')" in gm.code
+    gm = make_fx(lambda x, r, w: V.ir_fused_add_rms_norm(x.clone(), r.clone(), w, 1e-5),
+                 tracing_mode="fake")(x, x, w)
+    assert "torch.ops.loomnb.fused_add_rms_norm.default(clone, clone_1, w_1, 1e-05, rounding = 'once')" in gm.code
+    assert "return (clone, clone_1)" in gm.code
+
+
+def test_eager_calls_go_straight_to_the_python_op():
+    """Eager, real tensors: the implementation calls loomnb's Python op (no dispatcher hop). On a
+    CPU tensor that op's own check answers -- the dispatcher path would find no CPU kernel."""
+    with pytest.raises(loomnb.LoomnbTypeError, match="host torch tensor"):
+        V.ir_rms_norm(_x(2, 8), _x(8), 1e-5)
+    with pytest.raises(loomnb.LoomnbTypeError, match="host torch tensor"):
+        V.ir_fused_add_rms_norm(_x(2, 8), _x(2, 8), _x(8), 1e-5)
+
+
+def test_customop_decision_is_counted_once_per_trace(fake_vllm, loomnb_ops):
+    """Under torch.compile (fullgraph, as vLLM compiles) the CustomOp's decision is made and
+    counted once at trace time; eager calls count each time."""
+    V.register()
+    op = fake_vllm.oot["SiluAndMul"]()
+    compiled = torch.compile(lambda x: op.forward_cuda(x), fullgraph=True, backend="eager")
+    x = torch.randn(4, 8, dtype=BF16)
+    want = torch.nn.functional.silu(x[:, :4]) * x[:, 4:]
+    assert torch.equal(compiled(x), want) and torch.equal(compiled(x), want)
+    assert V.routed_counts() == {"silu_and_mul": 1}
+    op.forward_cuda(x)
+    assert V.routed_counts() == {"silu_and_mul": 2}
+
+
+# ---------------------------------------------------------------------------------------------
+def test_engine_kwargs(monkeypatch, loomnb_ops):
+    assert V.engine_kwargs("default") == {}
+    assert V.engine_kwargs("vllm_ops") == {
+        "ir_op_priority": {"rms_norm": ["vllm_c", "native"], "fused_add_rms_norm": ["vllm_c", "native"]},
+        "compilation_config": {"custom_ops": ["none", "+silu_and_mul", "+rotary_embedding"]}}
+    assert V.engine_kwargs("loomnb") == {
+        "ir_op_priority": {"rms_norm": ["loomnb", "vllm_c", "native"],
+                           "fused_add_rms_norm": ["loomnb", "vllm_c", "native"]},
+        "compilation_config": {"custom_ops": ["none", "+SiluAndMul", "+RotaryEmbedding"]}}
+    with pytest.raises(LoomnbValueError, match="argument 'config' must be one of"):
+        V.engine_kwargs("fast")
+
+
+def test_entry_point_is_declared():
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
+    eps = meta["project"]["entry-points"]["vllm.general_plugins"]
+    assert eps == {"loomnb": "loomnb.integrations.vllm:register"}
+    module, func = eps["loomnb"].split(":")
+    assert getattr(importlib.import_module(module), func) is V.register
+
+
+def test_importing_loomnb_imports_neither_vllm_nor_the_plugin(tmp_path):
+    """A ``vllm`` package that records being imported sits first on the path: ``import loomnb``
+    and ``import loomnb.integrations.vllm`` must not touch it (only register() does)."""
+    fake = tmp_path / "vllm"
+    fake.mkdir()
+    marker = tmp_path / "imported"
+    (fake / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    code = ("import sys, loomnb; a = 'loomnb.integrations.vllm' in sys.modules; "
+            "import loomnb.integrations.vllm; print(a)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False" and not marker.exists()
+
+
+def test_against_the_installed_vllm():
+    """Where vLLM is installed (the GPU machine's vLLM 0.24.0): the live native signatures equal
+    the copies above, and register() routes both norms."""
+    try:
+        import vllm  # noqa: F401
+        import vllm.ir
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"vLLM is not importable here ({type(e).__name__}); the plug-in's live "
+                    "checks run where vLLM 0.24 is installed")
+    from vllm.platforms import current_platform
+    for name in NATIVE:
+        native = getattr(vllm.ir.ops, name).impls["native"].impl_fn
+        assert infer_schema(native, mutates_args=[]) == NATIVE_SCHEMAS[name]
+    V._reset()
+    try:
+        V.register()
+        norms = [r for r in V.routes() if r.vllm_op.startswith("vllm.ir.ops.")]
+        if current_platform.is_cuda():
+            assert len(norms) == 2 and all(r.routed for r in norms), V.summary()
+        else:
+            assert all(not r.routed and "not CUDA" in r.reason for r in norms), V.summary()
+        for name in NATIVE:
+            assert getattr(vllm.ir.ops, name).impls["loomnb"].impl_fn is V.IR_OPS[name][0]
+    finally:
+        V._reset()
+
+
+# ---------------------------------------------------------------------------------------------
+# The A/B benchmark's plumbing with its fake engine
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_vllm_ab", REPO / "benchmarks" / "bench_vllm_ab.py")
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    return m
+
+
+def test_bench_dry_run_end_to_end(tmp_path):
+    """Fresh processes for (a), (b), (c) in both orders; (c) finds the plug-in's entry point
+    through the generated .dist-info and gets VLLM_PLUGINS=loomnb, the others none; tokens
+    compared, with an injected divergence reported at its prompt and position with both runs'
+    logprobs of both tokens; TPOT, tokens/s, init time and launches per step for every run."""
+    out = tmp_path / "ab.json"
+    env = dict(os.environ, LOOMNB_FAKE_DIVERGE="loomnb:3:5")
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_vllm_ab.py"), "--dry-run",
+                        "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = json.loads(out.read_text())
+    runs = res["runs"]
+    assert [(r["order"], r["config"]) for r in runs] == [
+        ("forward", "default"), ("forward", "vllm_ops"), ("forward", "loomnb"),
+        ("reversed", "loomnb"), ("reversed", "vllm_ops"), ("reversed", "default")]
+    assert len({r["pid"] for r in runs} | {res["parent_pid"]}) == 7  # six fresh processes
+    for r in runs:
+        plugin = r["config"] == "loomnb"
+        assert r["env"]["VLLM_PLUGINS"] == ("loomnb" if plugin else "")
+        assert r["env"]["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+        assert r["env"]["VLLM_DISABLE_COMPILE_CACHE"] == "1"
+        if plugin:
+            assert "loomnb = loomnb.integrations.vllm:register" in r["entry_points"]
+        assert r["engine_kwargs"] == V.engine_kwargs(r["config"])
+        assert r["plugin"]["loaded"] is plugin
+        assert set(r["timing"]) == {"1", "8", "64"}
+        assert all(v["tpot_ms"] > 0 and v["tokens_per_s"] > 0 for v in r["timing"].values())
+        assert r["init_s"] > 0
+        assert r["launches"]["1"]["loomnb_per_step"] == (61 if plugin else 0)
+        assert len(r["check"]["tokens"]) == 8 and all(len(t) == 32 for t in r["check"]["tokens"])
+    a = res["analysis"]
+    c_vs_b = [t for t in a["tokens"] if t["a"].startswith("loomnb/") and t["b"].startswith("vllm_ops/")]
+    assert len(c_vs_b) == 2 and not a["targets"]["tokens_c_identical_to_b"]
+    d = c_vs_b[0]["first_divergences"]
+    assert [(x["prompt"], x["position"]) for x in d] == [(3, 5)]
+    ta, tb = d[0]["tokens"]["loomnb/forward"], d[0]["tokens"]["vllm_ops/forward"]
+    assert ta != tb
+    assert d[0]["logprobs"]["loomnb/forward"] == {str(ta): -0.25, str(tb): -2.5}
+    assert d[0]["logprobs"]["vllm_ops/forward"] == {str(ta): -1.75, str(tb): -0.25}
+    assert all(t["identical"] for t in a["tokens_across_orders"])
+    assert set(a["tpot"]) == {"forward", "reversed"}
+    ratio = a["tpot"]["forward"]["1"]["loomnb_speedup_vs_faster_peer"]
+    assert ratio == pytest.approx(min(a["tpot"]["forward"]["1"]["tpot_ms"][c] for c in
+                                      ("default", "vllm_ops")) / a["tpot"]["forward"]["1"]["tpot_ms"]["loomnb"])
+    assert a["targets"]["all_runs_completed"]
+    assert "TPOT (ms)" in p.stdout and "first divergence 3@5" in p.stdout
+
+
+def test_bench_launch_count_cancels_the_prefill():
+    bench = _bench()
+
+    class Eng:
+        def profile(self, prompts, n):  # 3 kernels per step + 5 once (prefill and set-up)
+            return {"_ZN6loomnb3ops_norm": [2 * n + 1, 3.0 * n], "other": [n + 4, 10.0 * n + 7],
+                    "Memcpy HtoD (Pageable -> Device)": [n, 1.0]}
+
+    got = bench.launches(Eng(), ["p"], [8, 24])
+    assert (got["loomnb_per_step"], got["kernels_per_step"]) == (2, 3)
+    assert (got["loomnb_us_per_step"], got["device_us_per_step"]) == (3.0, 13.0)
+    assert got["top_kernels"][0]["name"] == "other"
+
+    class Broken:
+        def profile(self, prompts, n):
+            raise RuntimeError("no CUPTI")
+
+    assert bench.launches(Broken(), ["p"], [8, 24]) == {"steps": [8, 24], "error": "RuntimeError: no CUPTI"}
+
+
+def test_bench_compare_tokens_length_mismatch():
+    bench = _bench()
+    a = {"config": "loomnb", "order": "forward", "check": {"tokens": [[1, 2, 3]], "logprobs": None}}
+    b = {"config": "vllm_ops", "order": "forward", "check": {"tokens": [[1, 2]], "logprobs": None}}
+    got = bench.compare_tokens(a, b)
+    assert not got["identical"] and got["first_divergences"][0]["position"] == 2
+    assert got["first_divergences"][0]["tokens"] == {"loomnb/forward": 3, "vllm_ops/forward": None}
+
+
+def test_bench_rejects_unknown_configs():
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_vllm_ab.py"), "--dry-run",
+                        "--configs", "default,fast"], capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "unknown configuration 'fast'" in p.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU: the implementations vLLM calls, on CUDA tensors
+def _np(t):
+    t = t.detach().cpu()
+    return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if t.dtype == BF16 else t.numpy()
+
+
+def _same_bits(a, b):
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.gpu
+def test_gpu_implementations_equal_loomnb_and_the_oracle():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(37, 576, generator=g, device="cuda").to(BF16)
+    r = torch.randn(37, 576, generator=g, device="cuda").to(BF16)
+    w = torch.randn(576, generator=g, device="cuda").to(BF16)
+    eps = 1e-5
+    assert V.rms_norm_fallback_reason(x, w, eps) is None
+    assert V.rms_norm_fallback_reason(x, w, eps, x_residual=r) is None
+    y = V.ir_rms_norm(x, w, eps)
+    assert _same_bits(y, loomnb.rms_norm(x, w, eps, rounding="once"))
+    assert _same_bits(y, torch.ops.loomnb.rms_norm(x, w, eps, rounding="once"))
+    np.testing.assert_array_equal(_np(y).view(np.uint16), loomnb.oracle.rms_norm(
+        _np(x), _np(w), eps, rounding="once").view(np.uint16))
+    x1, r1 = x.clone(), r.clone()
+    out = V.ir_fused_add_rms_norm(x1, r1, w, eps)
+    assert out[0] is x1 and out[1] is r1
+    xo, ro = _np(x).copy(), _np(r).copy()
+    loomnb.oracle.fused_add_rms_norm(xo, ro, _np(w), eps, rounding="once")
+    np.testing.assert_array_equal(_np(x1).view(np.uint16), xo.view(np.uint16))
+    np.testing.assert_array_equal(_np(r1).view(np.uint16), ro.view(np.uint16))
+
+
+@pytest.mark.gpu
+def test_gpu_traced_form_and_graph_capture():
+    """The make_fx form vLLM's lowering inserts runs the same kernels; both implementations
+    capture into a CUDA graph (vLLM's decode path) and replay to the eager bits."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(8, 576, generator=g, device="cuda").to(BF16)
+    r = torch.randn(8, 576, generator=g, device="cuda").to(BF16)
+    w = torch.randn(576, generator=g, device="cuda").to(BF16)
+    gm = make_fx(lambda x, w: V.ir_rms_norm(x, w, 1e-5), tracing_mode="fake")(x, w)
+    assert "torch.ops.loomnb.rms_norm" in gm.code
+    assert _same_bits(gm(x, w), loomnb.rms_norm(x, w, 1e-5, rounding="once"))
+
+    want_y = V.ir_rms_norm(x, w, 1e-5)
+    want_x, want_r = x.clone(), r.clone()
+    V.ir_fused_add_rms_norm(want_x, want_r, w, 1e-5)
+    xs, xa, ra = x.clone(), x.clone(), r.clone()  # the graph's static buffers
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up on the same buffers, off the capture (as vLLM does)
+        V.ir_rms_norm(xs, w, 1e-5)
+        V.ir_fused_add_rms_norm(xa, ra, w, 1e-5)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ya = V.ir_rms_norm(xs, w, 1e-5)
+        V.ir_fused_add_rms_norm(xa, ra, w, 1e-5)
+    xa.copy_(x)
+    ra.copy_(r)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _same_bits(ya, want_y) and _same_bits(xa, want_x) and _same_bits(ra, want_r)
