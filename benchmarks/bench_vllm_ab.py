@@ -57,6 +57,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -165,9 +166,12 @@ class VllmEngine:
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         lps = None
         if logprobs:
-            lps = [[{str(t): float(lp.logprob) for t, lp in pos.items()}
+            lps = [[{str(t): float(lp.logprob) for t, lp in (pos or {}).items()}
                     for pos in o.outputs[0].logprobs] for o in outs]
         return tokens, lps
+
+    def finish(self):
+        pass  # vLLM shuts down at exit; the parent's timeout covers a shutdown that hangs
 
     def profile(self, prompts, max_tokens):
         self.llm.collective_rpc(_rpc_profile_start)
@@ -215,7 +219,13 @@ class FakeEngine:
                 self.diverge = (CHECK_PROMPTS[int(prompt)], int(pos))
 
     def start(self):
+        if os.environ.get("LOOMNB_FAKE_FAIL") == self.config:
+            raise RuntimeError(f"fake engine: {self.config} fails to start (LOOMNB_FAKE_FAIL)")
         time.sleep(0.01)
+
+    def finish(self):
+        if os.environ.get("LOOMNB_FAKE_HANG") == self.config:  # a shutdown that never ends
+            time.sleep(3600)
 
     def _token(self, prompt, i):
         t = int(hashlib.sha256(f"{prompt}|{i}".encode()).hexdigest()[:8], 16) % self.VOCAB
@@ -323,6 +333,7 @@ def run_child(args):
                        for b in plan["profile_batches"]}
     out["plugin"] = engine.plugin_report()
     Path(args.child_out).write_text(json.dumps(out, indent=1))
+    engine.finish()
     return 0
 
 
@@ -364,21 +375,25 @@ def run_one(args, plan, config, kwargs, order, position, plugin_site, tmp):
     print(f"[{tag}] {LABELS[config]}: starting a fresh process", flush=True)
     t0 = time.perf_counter()
     with open(log, "w") as f:
+        # its own process group: a timeout ends vLLM's engine-core process with it
+        proc = subprocess.Popen(cmd, env=child_env(config, plugin_site, args.compile_cache),
+                                stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
+                                start_new_session=True)
         try:
-            rc = subprocess.run(cmd, env=child_env(config, plugin_site, args.compile_cache),
-                                stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout,
-                                cwd=REPO).returncode
+            rc = proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             rc = "timeout"
     wall = time.perf_counter() - t0
-    if rc != 0 or not child_out.exists():
+    if not child_out.exists():  # results are written before vLLM shuts down
         tail = log.read_text(errors="replace").splitlines()[-40:]
         print(f"[{tag}] FAILED ({rc}) after {wall:.0f} s; last lines:\n  " + "\n  ".join(tail),
               flush=True)
         return {"config": config, "order": order, "position": position,
                 "error": f"child exited {rc}", "log_tail": tail, "wall_s": wall}
     res = json.loads(child_out.read_text())
-    res["wall_s"] = wall
+    res["wall_s"], res["exit"] = wall, rc  # non-zero: it failed after writing, e.g. at shutdown
     print(f"[{tag}] done in {wall:.0f} s (init {res['init_s']:.1f} s)", flush=True)
     return res
 

@@ -700,6 +700,26 @@ def test_bench_compare_tokens_length_mismatch():
     assert got["first_divergences"][0]["tokens"] == {"loomnb/forward": 3, "vllm_ops/forward": None}
 
 
+def test_bench_failed_and_hung_processes(tmp_path):
+    """A process that fails is reported with its log's tail and makes the exit status 1; one
+    that hangs after writing its results is killed at the timeout (its process group) and its
+    results are kept, with the exit recorded."""
+    out = tmp_path / "ab.json"
+    env = dict(os.environ, LOOMNB_FAKE_FAIL="vllm_ops", LOOMNB_FAKE_HANG="default")
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_vllm_ab.py"), "--dry-run",
+                        "--orders", "forward", "--timeout", "10", "--out", str(out)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1, p.stdout + p.stderr
+    runs = {r["config"]: r for r in json.loads(out.read_text())["runs"]}
+    assert runs["default"]["exit"] == "timeout" and "timing" in runs["default"]
+    assert runs["vllm_ops"]["error"] == "child exited 1"
+    assert any("fails to start" in line for line in runs["vllm_ops"]["log_tail"])
+    assert runs["loomnb"]["exit"] == 0
+    res = json.loads(out.read_text())["analysis"]
+    assert res["targets"]["all_runs_completed"] is False
+    assert res["tpot"]["forward"]["1"]["tpot_ms"].keys() == {"default", "loomnb"}
+
+
 def test_bench_rejects_unknown_configs():
     p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_vllm_ab.py"), "--dry-run",
                         "--configs", "default,fast"], capture_output=True, text=True, timeout=300)
