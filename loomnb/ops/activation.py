@@ -30,6 +30,7 @@ misaligned vector access.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -527,16 +528,25 @@ def _flat2d(op, name, a, rows, cols):
 
 
 def _group_scales(op, out_s, xa, lead_shape, groups, column_major, tma):
-    """(scales Arr, its 2-D ``[rows, G]`` kernel view): allocated in the requested layout
-    (column-major and TMA-aligned as a ``[G, rows']`` buffer seen transposed), or the caller's
-    array -- any strides, whose own layout is used whatever the flags say."""
+    """(scales object to return, its 2-D ``[rows, G]`` kernel view). Allocated in the requested
+    layout -- column-major and TMA-aligned as strides ``(1, rows')``, ``rows'`` = ``rows`` or
+    ``rows`` rounded up to a multiple of 4 (torch: one ``empty_strided`` tensor, not a view;
+    other libraries: a ``[G, rows']`` buffer seen transposed) -- or the caller's array, any
+    strides, whose own layout is used whatever the flags say."""
     rows = _num(lead_shape)
     if out_s is None and (column_major or tma):
         mp = -(-rows // 4) * 4 if tma else rows
+        if xa.lib == "torch":
+            torch = ad._torch
+            alloc = functools.partial(torch.empty_strided, (rows, groups), (1, mp),
+                                      dtype=torch.float32, device=xa.obj.device)
+            sa = ad.wrap(op, "out_s", alloc())
+            sa.alloc = alloc  # the eager fast path allocates it again on a replay
+            return sa.obj, sa
         full = C.output(op, "out_s", None, like=xa, kind="f32", shape=(groups, mp))
-        return full, full.view((rows, groups), (1, mp))
+        return full.obj[:, :rows].T, full.view((rows, groups), (1, mp))
     sa = C.output(op, "out_s", out_s, like=xa, kind="f32", shape=tuple(lead_shape) + (groups,))
-    return sa, _flat2d(op, "out_s", sa, rows, groups)
+    return sa.obj, _flat2d(op, "out_s", sa, rows, groups)
 
 
 def _group_quant(op, act, numerics, xa, d, group_size, eps, column_major, tma, ue8m0, out_q, out_s,
@@ -544,13 +554,11 @@ def _group_quant(op, act, numerics, xa, d, group_size, eps, column_major, tma, u
     eps = _group_args(op, xa, group_size, eps, column_major, tma, ue8m0, d)
     spec = ActSpec(xa.kind, act, "group", numerics=numerics, group=group_size, ue8m0=ue8m0)
     qa = _fp8_output(op, "out_q", out_q, xa, xa.shape[:-1] + (d,))
-    sa, sv = _group_scales(op, out_s, xa, xa.shape[:-1], d // group_size, column_major, tma)
-    C.no_overlap(op, {"out_q": qa, "out_s": sa}, {"x": xa})
+    s_obj, sv = _group_scales(op, out_s, xa, xa.shape[:-1], d // group_size, column_major, tma)
+    C.no_overlap(op, {"out_q": qa, "out_s": sv}, {"x": xa})
     lead, ov, xv = _rows_of(op, qa, xa, d, act != "none")
     _chunked(op, spec, lead, ov, xv, d, stream, key, scales=L.array(sv), p0=eps)
-    if out_s is None and (column_major or tma):
-        return qa.obj, sa.obj[:, :_num(xa.shape[:-1])].T
-    return qa.obj, sa.obj
+    return qa.obj, s_obj
 
 
 def _fake_group(x, group_size, eps=1e-10, column_major_scales=False, tma_aligned_scales=False,
@@ -573,13 +581,6 @@ def _fake_group_fused(x, group_size, *a, **k):
 def _group_key(tag, group_size, eps, column_major, tma, ue8m0, numerics, x, out_q, out_s):
     opt = f"{group_size!r}|{column_major!r}|{tma!r}|{ue8m0!r}|{numerics!r}"
     return L.key(tag, (eps, opt), x, out_q, out_s)
-
-
-def _group_replay(hit, out_q, out_s, column_major, tma, rows):
-    q, s = L.fill(hit, out_q, out_s)
-    if out_s is None and (column_major or tma):
-        s = s[:, :rows].T
-    return q, s
 
 
 @torch_op("Tensor x, int group_size, float eps=1e-10, bool column_major_scales=False, "
@@ -627,8 +628,7 @@ def per_token_group_quant_fp8(x, group_size, eps=1e-10, column_major_scales=Fals
     k = (_group_key("ptgq", group_size, eps, column_major_scales, tma_aligned_scales, use_ue8m0,
                     "unfused", x, out_q, out_s) if stream is None else None)
     if k is not None and (hit := L.replay(k)) is not None:
-        return _group_replay(hit, out_q, out_s, column_major_scales, tma_aligned_scales,
-                             x.shape[0])
+        return L.fill(hit, out_q, out_s)
     op = "loomnb.per_token_group_quant_fp8"
     xa = _input(op, x)
     return _group_quant(op, "none", "unfused", xa, xa.shape[-1], group_size, eps,
@@ -666,8 +666,7 @@ def silu_and_mul_per_token_group_quant_fp8(x, group_size, eps=1e-10, column_majo
     k = (_group_key("samptgq", group_size, eps, column_major_scales, tma_aligned_scales,
                     use_ue8m0, numerics, x, out_q, out_s) if stream is None else None)
     if k is not None and (hit := L.replay(k)) is not None:
-        return _group_replay(hit, out_q, out_s, column_major_scales, tma_aligned_scales,
-                             x.shape[0])
+        return L.fill(hit, out_q, out_s)
     op = "loomnb.silu_and_mul_per_token_group_quant_fp8"
     xa, d = _gated_input(op, x)
     C.choice(op, "numerics", numerics, NUMERICS)
