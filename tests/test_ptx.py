@@ -51,6 +51,9 @@ def _sampling_checks(spec, ptx):
             assert "div.rn.f32" in ptx, "p = e / S is an IEEE division"
     else:
         assert "atom.inc.u32" in ptx and "membar.gl" in ptx, "last-block-done: a fence, then atomicInc"
+    from test_sampling_registers import PTXAS, check_registers
+    if PTXAS:  # without ptxas, test_sampling_registers.py reports the skip
+        check_registers(spec, ptx)
 
 
 def _activation_checks(spec, ptx):
@@ -107,7 +110,18 @@ def _attention_checks(spec, ptx):
         assert f"cvt.rn.{spec.kind}x2.f32" in ptx, "the output rounded by the hardware"
 
 
-FAMILY_CHECKS = {"_norm_kernels": _norm_checks, "_sampling_kernels": _sampling_checks, "_activation_kernels": _activation_checks, "_rope_cache_kernels": _rope_cache_checks, "_attention_kernels": _attention_checks}
+def _spec_decode_checks(spec, ptx):
+    assert "shfl.sync.bfly.b32" in ptx, "group minimum / block argmax by shuffles"
+    if type(spec).__name__ == "ArgmaxSpec":
+        assert ("ld.v4.u32" in ptx) == spec.vec, "16-byte loads exactly on the vector path"
+        assert "bar.sync" in ptx, "one block argmax"
+    elif spec.pack:
+        assert "shfl.sync.up.b32" in ptx and "bar.sync" in ptx, "prefix sums for the compaction"
+    else:
+        assert "bar.sync" not in ptx, "verification alone needs no barrier"
+
+
+FAMILY_CHECKS = {"_norm_kernels": _norm_checks, "_sampling_kernels": _sampling_checks, "_activation_kernels": _activation_checks, "_rope_cache_kernels": _rope_cache_checks, "_attention_kernels": _attention_checks, "_spec_decode_kernels": _spec_decode_checks}
 
 
 def test_every_family_declares_variants():

@@ -248,3 +248,90 @@ block_sum64 = block_reduce(fadd, float64)   # float64 sum over the block
 block_sum = block_reduce(fadd, float32)     # float32 sum over the block
 block_max = block_reduce(fmax_nan, float32)  # fmaxf over the block (NaN ignored)
 block_min = block_reduce(fmin_nan, float32)  # fminf over the block (NaN ignored)
+
+
+# ---------------------------------------------------------------- prefix sums (scans)
+# * ``group_scan(width)``: the inclusive prefix sum of ``v`` over the lanes of each aligned group
+#   of ``width`` lanes (a power of two <= 32): lane ``j`` of a group gets ``v_0 + ... + v_j``.
+#   Like ``group_reduce``: no shared memory on the GPU (``shfl.sync.up``), every lane of the warp
+#   calls it (under the simulator, every thread of the block).
+# * ``block_scan(dtype)``: ``(exclusive, total)`` of ``v`` over the whole block in thread order:
+#   thread ``t`` gets ``v_0 + ... + v_{t-1}`` and every thread the block's total. It takes a
+#   ``cuda.shared.array(REDUCE_SCRATCH, dtype)`` scratch array and has one barrier, as
+#   ``block_reduce``; a ``cuda.syncthreads()`` must separate two uses of the same scratch.
+# Both are meant for integer counts and offsets (exact); on floats the result is the sum in the
+# order of the combination, not a correctly rounded prefix.
+if SIM:
+    @functools.cache
+    def group_scan(width):
+        @cuda.jit(device=True)
+        def scan(v):
+            sm = cuda.shared.array(1024, float64)
+            t = cuda.threadIdx.x
+            cuda.syncthreads()
+            sm[t] = v
+            cuda.syncthreads()
+            acc = sm[t & ~(width - 1)]
+            for k in range((t & ~(width - 1)) + 1, t + 1):
+                acc += sm[k]
+            cuda.syncthreads()
+            return type(v)(acc)
+
+        return scan
+
+    @functools.cache
+    def block_scan(dtype):
+        @cuda.jit(device=True)
+        def scan(v, scratch):
+            t = cuda.threadIdx.x
+            scratch[t] = v
+            cuda.syncthreads()
+            before = dtype(0)
+            total = dtype(0)
+            for k in range(cuda.blockDim.x):
+                s = scratch[k]
+                if k < t:
+                    before += s
+                total += s
+            return dtype(before), dtype(total)
+
+        return scan
+else:
+    @functools.cache
+    def group_scan(width):
+        assert width & (width - 1) == 0 and 1 <= width <= 32
+        offsets = tuple(1 << k for k in range(int(math.log2(width))))
+
+        @cuda.jit(device=True)
+        def scan(v):
+            lane = cuda.threadIdx.x & (width - 1)
+            for off in offsets:
+                up = cuda.shfl_up_sync(FULL_MASK, v, off)
+                if lane >= off:
+                    v += up
+            return v
+
+        return scan
+
+    @functools.cache
+    def block_scan(dtype):
+        warp_scan = group_scan(32)
+
+        @cuda.jit(device=True)
+        def scan(v, scratch):
+            t = cuda.threadIdx.x
+            inclusive = warp_scan(v)
+            if (t & 31) == 31:
+                scratch[t >> 5] = inclusive
+            cuda.syncthreads()
+            warp = t >> 5
+            before = dtype(0)
+            total = dtype(0)
+            for k in range(cuda.blockDim.x >> 5):  # warp totals in warp order: same bits everywhere
+                s = scratch[k]
+                if k < warp:
+                    before += s
+                total += s
+            return dtype(before + inclusive - v), dtype(total)
+
+        return scan
