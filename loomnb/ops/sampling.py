@@ -39,6 +39,7 @@ __all__ = ["greedy_sample_logprob", "selected_token_logprob_rank", "top_k_logpro
 
 LOGITS_KINDS = ("f32", "bf16")
 THREADS = 512            # threads per block (fewer when a block's share of a row is small)
+TOPK_THREADS = 256       # top-k variants hold 20 candidates a thread (~170 registers): 256 fit
 UNITS_PER_THREAD = 4     # 16-byte units a thread reads at least, before a row is split further
 BLOCKS_PER_SM = 2        # target: about two blocks per SM in flight (one wave)
 MAX_RECORDS = 4096       # workspace records (num_rows * splits) and counters (rows)
@@ -51,16 +52,19 @@ def v2_pad(vocab_size):
     return -(-vocab_size // V2_BLOCK) * V2_BLOCK - vocab_size
 
 
-def launch_config(num_rows, vocab_size, unit, num_sms, threads=None, splits=None):
+def launch_config(num_rows, vocab_size, unit, num_sms, threads=None, splits=None,
+                  max_threads=THREADS):
     """(threads per block, blocks per row ``splits``, elements per block ``chunk``).
 
     Each block reads ``chunk`` elements of one row (a multiple of ``unit``, the values of a
     16-byte unit). Rows are split until there are about ``BLOCKS_PER_SM * num_sms`` blocks
     (one wave: few rows are latency-bound, so spread them over the whole GPU), but never below
     a warp's worth of ``UNITS_PER_THREAD`` units a block, and never past ``MAX_RECORDS``
-    records; threads are ``THREADS`` or fewer for short chunks (a multiple of 32). E.g. an H200
-    (132 SMs), V = 151,936 fp32: 1 row -> 264 blocks of 64 threads, 32 rows -> 8 x 512, 512
-    rows -> 1 x 512. ``threads``/``splits`` force a configuration (tests).
+    records; threads are ``max_threads`` or fewer for short chunks (a multiple of 32). E.g. an
+    H200 (132 SMs), V = 151,936 fp32: 1 row -> 264 blocks of 64 threads, 32 rows -> 8 x 512, 512
+    rows -> 1 x 512. ``threads``/``splits`` force a configuration (tests); a forced block size
+    is still capped at ``max_threads``, the most the variant's registers allow
+    (``tests/test_sampling_registers.py``: registers x threads must fit an SM's 65,536).
     """
     ceil32 = lambda n: max(32, -(-n // 32) * 32)  # noqa: E731
     units = -(-vocab_size // unit)
@@ -72,8 +76,8 @@ def launch_config(num_rows, vocab_size, unit, num_sms, threads=None, splits=None
     chunk_units = -(-units // splits)
     splits = -(-units // chunk_units)  # no empty block
     if threads is None:
-        threads = min(THREADS, ceil32(-(-chunk_units // UNITS_PER_THREAD)))
-    return threads, splits, chunk_units * unit
+        threads = ceil32(-(-chunk_units // UNITS_PER_THREAD))
+    return min(threads, max_threads), splits, chunk_units * unit
 
 
 _forced_splits = None
@@ -222,7 +226,8 @@ def _launch_logprob(op, spec, la, ta, tok, idx, lp, rank, k, stream, key):
         return
     unit = UNIT[spec.kind]
     vec = C.vectors_ok(la)
-    threads, splits, chunk = launch_config(R, V, unit, _sms(la), L.forced_threads(), _forced_splits)
+    threads, splits, chunk = launch_config(R, V, unit, _sms(la), L.forced_threads(), _forced_splits,
+                                           TOPK_THREADS if spec.topk else THREADS)
     if splits > 1:
         assert R * splits <= MAX_RECORDS
     spec = LogprobSpec(spec.kind, spec.sampler, spec.given, spec.topk, "vec" if vec else "scalar")
