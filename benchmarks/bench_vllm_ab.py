@@ -47,6 +47,12 @@ profiler and report functions can be sent to the worker.
     python3 benchmarks/bench_vllm_ab.py --model /tmp/smollm2-hf --quick   # fewer reps/tokens
     python3 benchmarks/bench_vllm_ab.py --dry-run      # CPU: a fake engine, same plumbing
 
+Where one command may run only so long, run one order per command and merge::
+
+    python3 benchmarks/bench_vllm_ab.py --model M --orders forward --out /tmp/ab_f.json
+    python3 benchmarks/bench_vllm_ab.py --model M --orders reversed --out /tmp/ab_r.json
+    python3 benchmarks/bench_vllm_ab.py --merge /tmp/ab_f.json /tmp/ab_r.json
+
 ``--dry-run`` runs every step with a deterministic fake engine (no vLLM, no GPU, no torch in the
 children) and writes its JSON to a temporary folder unless ``--out`` is given.
 """
@@ -490,7 +496,39 @@ def print_summary(result):
     print("  targets:", json.dumps(a["targets"]))
 
 
+def write_result(result, out_arg, tmp, engine):
+    gpu = next((r.get("gpu") for r in result["runs"] if r.get("gpu")), "unknown")
+    if out_arg:
+        out = Path(out_arg)
+    elif engine == "fake":
+        out = Path(tmp) / "vllm_ab_dry_run.json"
+    else:
+        stamp = datetime.datetime.fromisoformat(result["started"]).strftime("%Y%m%d-%H%M%S")
+        out = RESULTS / f"vllm_ab_{stamp}_{re.sub(r'[^A-Za-z0-9]+', '-', gpu).strip('-')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print_summary(result)
+    print(f"\nwrote {out}")
+    return 0 if result["analysis"]["targets"]["all_runs_completed"] else 1
+
+
+def run_merge(args):
+    """One result from several (an order per GPU command, say): runs concatenated, analysed
+    again. The plans must agree."""
+    parts = [json.loads(Path(p).read_text()) for p in args.merge]
+    plans = {json.dumps(p["plan"], sort_keys=True) for p in parts}
+    if len(plans) != 1:
+        sys.exit("--merge: the results were made with different plans")
+    runs = [r for p in parts for r in p["runs"]]
+    result = dict(parts[0], runs=runs, merged_from=[str(p) for p in args.merge],
+                  analysis=analyse(runs, parts[0]["plan"]))
+    return write_result(result, args.out, tempfile.mkdtemp(prefix="loomnb_vllm_ab_"),
+                        parts[0]["engine"])
+
+
 def run_parent(args):
+    if args.merge:
+        return run_merge(args)
     plan = make_plan(args)
     configs = [c for c in args.configs.split(",") if c]
     orders = [o for o in args.orders.split(",") if o]
@@ -514,21 +552,10 @@ def run_parent(args):
             runs.append(run_one(args, plan, config, kwargs[config], order, position,
                                 plugin_site, tmp))
     result = {"benchmark": "vllm_ab", "started": started.isoformat(timespec="seconds"),
-              "engine": args.engine, "parent_pid": os.getpid(), "plan": plan, "engine_kwargs": kwargs,
-              "labels": LABELS, "runs": runs, "analysis": analyse(runs, plan)}
-    gpu = next((r.get("gpu") for r in runs if r.get("gpu")), "unknown")
-    if args.out:
-        out = Path(args.out)
-    elif args.engine == "fake":
-        out = Path(tmp) / "vllm_ab_dry_run.json"
-    else:
-        out = RESULTS / (f"vllm_ab_{started.strftime('%Y%m%d-%H%M%S')}_"
-                         f"{re.sub(r'[^A-Za-z0-9]+', '-', gpu).strip('-')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print_summary(result)
-    print(f"\nwrote {out}")
-    return 0 if result["analysis"]["targets"]["all_runs_completed"] else 1
+              "engine": args.engine, "parent_pid": os.getpid(), "plan": plan,
+              "engine_kwargs": kwargs, "labels": LABELS, "runs": runs,
+              "analysis": analyse(runs, plan)}
+    return write_result(result, args.out, tmp, args.engine)
 
 
 def main(argv=None):
@@ -547,10 +574,12 @@ def main(argv=None):
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--compile-cache", action="store_true",
                     help="keep vLLM's compile cache (init times then depend on the order)")
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per process")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per process")
     ap.add_argument("--dry-run", action="store_true",
                     help="the fake engine: the whole plumbing on a CPU, no vLLM")
     ap.add_argument("--out", help="result JSON (default: benchmarks/results/vllm_ab_<stamp>_<gpu>.json)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="combine earlier results (e.g. one per order) into one, analysed again")
     # internal: one configuration in a child process
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--engine", default=None, choices=("vllm", "fake"), help=argparse.SUPPRESS)

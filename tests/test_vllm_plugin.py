@@ -580,7 +580,8 @@ def test_importing_loomnb_imports_neither_vllm_nor_the_plugin(tmp_path):
     (fake / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
     code = ("import sys, loomnb; a = 'loomnb.integrations.vllm' in sys.modules; "
             "import loomnb.integrations.vllm; print(a)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(tmp_path), str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr
@@ -669,6 +670,23 @@ def test_bench_dry_run_end_to_end(tmp_path):
                                       ("default", "vllm_ops")) / a["tpot"]["forward"]["1"]["tpot_ms"]["loomnb"])
     assert a["targets"]["all_runs_completed"]
     assert "TPOT (ms)" in p.stdout and "first divergence 3@5" in p.stdout
+
+
+def test_bench_merge_of_one_order_per_run(tmp_path):
+    """Each order in its own run (one GPU command each), then --merge: one result with both
+    orders' comparisons, as if run together."""
+    bench = [sys.executable, str(REPO / "benchmarks" / "bench_vllm_ab.py"), "--dry-run"]
+    for order in ("forward", "reversed"):
+        p = subprocess.run(bench + ["--orders", order, "--out", str(tmp_path / f"{order}.json")],
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stdout + p.stderr
+    p = subprocess.run(bench + ["--merge", str(tmp_path / "forward.json"), str(tmp_path / "reversed.json"),
+                                "--out", str(tmp_path / "both.json")],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    a = json.loads((tmp_path / "both.json").read_text())["analysis"]
+    assert set(a["tpot"]) == {"forward", "reversed"} and len(a["tokens"]) == 6
+    assert len(a["tokens_across_orders"]) == 3 and a["targets"]["tokens_c_identical_to_b"]
 
 
 def test_bench_launch_count_cancels_the_prefill():
