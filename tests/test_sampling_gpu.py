@@ -266,3 +266,17 @@ def test_equals_vllm_formulas_in_torch(kind):
     xt = x.float().gather(-1, tok[:, None])
     rank_v2 = (torch.cat([x.float(), pad], 1) >= xt).sum(-1)
     assert torch.equal(loomnb.greedy_sample_logprob(x, "v2")[2], rank_v2)
+
+
+@pytest.mark.parametrize("sampler", ["v1", "v2"])
+def test_min_p_edges_at_full_vocabulary(sampler):
+    """min_p = 0 masks nothing (a -inf logit stays -inf, every finite logit as it was);
+    min_p = 1 on a row of equal logits keeps every token (S = V exactly, p_v = p_max)."""
+    V = 151936
+    x = rand_logits(3, V, "f32", seed=8)
+    x[0, 99] = float("-inf")
+    x[1] = 0.5
+    x[2] = -7.25
+    before = x.clone()
+    loomnb.min_p_filter_(x, torch.tensor([0.0, 1.0, 1.0], device="cuda"), sampler)
+    assert torch.equal(x, before)
