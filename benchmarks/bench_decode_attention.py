@@ -31,7 +31,9 @@ Providers (each skips with a logged reason when it cannot run):
   ``seq_lens``, ``scaled_dot_product_attention(..., enable_gqa=True)``; n/a above 4 GB of KV;
 * ``torch_compile`` (``--torch-compile``: one compilation per shape) and ``flex``
   (``--flex``: ``flex_attention`` over the physical cache with a mask that follows the block
-  table, compiled): off by default.
+  table, compiled): off by default;
+* ``loomnb_t256``, ``loomnb_t64``, ``loomnb_w1``, ``loomnb_w4``, ``loomnb_m512`` (``--tune``):
+  loomnb at other CTA sizes and split rules, to tune ``loomnb.ops.attention``'s constants.
 
 Bytes model: the visible keys and values, read once (``num_seqs * context * num_kv_heads *
 head_size * 2 * element size``) -- what a decode step must move; the query, block table and
@@ -141,6 +143,7 @@ class Loomnb(H.Provider):
         self.m = loomnb
 
     def bind(self, op, t, case):
+        self.m.ops.clear_launch_cache()  # no replay of a launch remembered under another config
         fp8 = case["cache"] == "fp8"
         call = partial(self.m.paged_decode_attention, t["query"], t["key_cache"], t["value_cache"],
                        t["block_tables"], t["seq_lens"], _scale(case),
@@ -148,6 +151,48 @@ class Loomnb(H.Provider):
                        k_scale=t["k_scale"] if fp8 else None, v_scale=t["v_scale"] if fp8 else None,
                        out=t["out"])
         return call, lambda r: {"out": r}
+
+
+class LoomnbTuned(Loomnb):
+    """loomnb with another launch configuration (``--tune``): ``threads`` per CTA, the split
+    rule's CTAs per SM (``target``) and tokens per split (``min_tokens``); the module's values
+    are set around each call (graph replays measure the configured launches)."""
+    name, threads, target, min_tokens = "loomnb_tuned", None, None, None
+
+    def setup(self, args, log):
+        if not getattr(args, "tune", False):
+            return "tuning variant: pass --tune"
+        err = super().setup(args, log)
+        if err is None:
+            from loomnb.ops import attention
+            self.A = attention
+        return err
+
+    def bind(self, op, t, case):
+        call, collect = super().bind(op, t, case)
+        A, cfg = self.A, {"DECODE_THREADS": self.threads, "SPLIT_TARGET_PER_SM": self.target,
+                          "MIN_SPLIT_TOKENS": self.min_tokens}
+        cfg = {k: v for k, v in cfg.items() if v is not None}
+
+        def tuned():
+            saved = {k: getattr(A, k) for k in cfg}
+            for k, v in cfg.items():
+                setattr(A, k, v)
+            try:
+                return call()
+            finally:
+                for k, v in saved.items():
+                    setattr(A, k, v)
+        return tuned, collect
+
+
+def _tuned(name, **cfg):
+    return type(f"Loomnb_{name}", (LoomnbTuned,), {"name": f"loomnb_{name}", **cfg,
+                                                   "__doc__": f"loomnb, {cfg} (--tune)"})
+
+
+TUNED = [_tuned("t256", threads=256), _tuned("t64", threads=64), _tuned("w1", target=1),
+         _tuned("w4", target=4), _tuned("m512", min_tokens=512)]
 
 
 class Torch(H.Provider):
@@ -353,7 +398,8 @@ class Flex(H.Provider):
         return call, lambda r: {"out": r}
 
 
-PROVIDERS = {p.name: p for p in (Loomnb, Fa3, FlashInfer, FlashInferTC, Vllm, Torch, TorchCompile, Flex)}
+PROVIDERS = {p.name: p for p in (Loomnb, Fa3, FlashInfer, FlashInferTC, Vllm, Torch, TorchCompile,
+                                  Flex, *TUNED)}
 
 
 class DecodeAttentionFamily(H.Family):
@@ -367,7 +413,8 @@ class DecodeAttentionFamily(H.Family):
                    "head_size * 2 * element size (query, block table, output not counted)")
     fake = {"loomnb": (3.0, 3900.0), "fa3": (11.0, 3900.0), "flashinfer": (8.0, 2900.0),
             "flashinfer_tc": (9.0, 3900.0), "vllm": (6.0, 1100.0), "torch": (60.0, 600.0),
-            "torch_compile": (30.0, 900.0), "flex": (25.0, 1500.0)}  # (floor µs, GB/s) dry run
+            "torch_compile": (30.0, 900.0), "flex": (25.0, 1500.0),
+            **{p.name: (3.2, 3800.0) for p in TUNED}}  # (floor µs, GB/s) for --dry-run
 
     def add_arguments(self, p):
         p.add_argument("--geometries", type=H.csv_list(str, GEOMETRIES), default=list(GEOMETRIES),
@@ -382,6 +429,9 @@ class DecodeAttentionFamily(H.Family):
         p.add_argument("--flashinfer", action="store_true", help="run FlashInfer's decode wrappers")
         p.add_argument("--torch-compile", action="store_true", help="run torch.compile of the composite")
         p.add_argument("--flex", action="store_true", help="run flex_attention with a paged mask")
+        p.add_argument("--tune", action="store_true",
+                       help="also run loomnb at other launch configurations (loomnb_t256, _t64: "
+                            "threads; _w1, _w4: split target CTAs/SM; _m512: tokens per split)")
 
     def cases(self, args):
         batches = args.num_seqs

@@ -35,7 +35,8 @@ from ..checks import (check_kind, check_ndim, check_same_device, check_shape, fa
 from . import _contract as C
 from . import _launch as L
 from ._attention_kernels import (EPL, GC, LANES, LOG2E, DecodeSpec, MergeSpec, decode_kernel,
-                                 lanes_for, merge_states_kernel, split_merge_kernel)
+                                 lanes_for, merge_states_kernel, split_merge_kernel,
+                                 tokens_per_tile)
 from ._torch_ops import torch_op
 
 __all__ = ["paged_decode_attention", "merge_attn_states"]
@@ -68,6 +69,16 @@ def num_splits(num_seqs, num_kv_heads, head_chunks, context, sms=DEFAULT_SMS):
     if ctas >= target or context < 2 * MIN_SPLIT_TOKENS:
         return 1
     return max(1, min(-(-target // ctas), context // MIN_SPLIT_TOKENS, MAX_SPLITS))
+
+
+def decode_threads(context, splits, spec):
+    """CTA size of the decode pass: ``DECODE_THREADS`` (4 warps), fewer when a split holds
+    fewer tokens than one tile of them takes (``lanes * ceil(tokens / TT)`` threads, at least
+    one warp): a 32-token context of head_size 64 runs on 2 warps, 16 tokens on one (no
+    cross-warp merge)."""
+    tokens = -(-context // splits)
+    need = spec.lanes * -(-tokens // tokens_per_tile(spec.cache))
+    return min(DECODE_THREADS, max(32, -(-need // 32) * 32))
 
 
 @functools.cache
@@ -360,7 +371,7 @@ def _launch_decode(op, a, oa, la, scale, softcap, sliding_window, max_seq_len, s
            and _vectorizable(a.v, a.vstr, a.kshape, esize))
     spec = DecodeSpec(q.kind, a.cache_kind, "vec" if vec else "scalar",
                       lanes_for(D) if vec else LANES[-1])
-    threads = min(L.forced_threads() or DECODE_THREADS, MAX_DECODE_THREADS)
+    threads = min(L.forced_threads() or decode_threads(context, P, spec), MAX_DECODE_THREADS)
 
     def cache_param(c, ext):
         return L.array(c, (ext,), (1,), words=vec)
