@@ -22,13 +22,15 @@ Threads work on *units* of 8 consecutive output elements (16 bytes of bf16/fp16,
 element at a time (any alignment, any d: the last unit may be partial). Thread ``t`` of block
 ``(row, c)`` owns units ``c*T*upt + t + j*T``, ``j < upt``, so a 64- or 128-element group is 8
 or 16 consecutive lanes. Chunked sinks (none, static, tensor, group) split a row over
-``gridDim.y`` blocks; ``"token"`` needs the whole row in one block: ``upt`` units a thread held
+``chunks = ceil(units / (T*upt))`` blocks of a 1-D grid in row-major order (block ``b`` is row
+``b // chunks``; the per-tensor second pass walks it backwards, so the rows its first pass read
+last, still in L2, come first); ``"token"`` needs the whole row in one block: ``upt`` units a thread held
 in registers (all loads in flight), or ``upt = 0`` for rows too long for that: loop, reduce,
 loop again (the second read mostly hits L1/L2).
 
 Rows are 1-D views ``x[i0, i1]`` of 3-D row arrays ``[n0, n1, row]`` (``n0 = 1`` with stride 0
-when the leading dimensions merge into one); the row index is ``blockIdx.x`` and every element
-and word offset is 64-bit.
+when the leading dimensions merge into one); the row index comes from ``blockIdx.x`` (32-bit:
+a grid has fewer than 2^31 blocks) and every element and word offset is 64-bit.
 
 Parameters (one signature for every variant; an unused array is empty):
 ``out, x, scales, scale, partials, p0, p1, d`` -- ``out``/``x`` ``[n0, n1, *]`` (uint32 words in
@@ -352,10 +354,13 @@ def _units(spec):
     def kernel(out, x, scales, scale, partials, p0, p1, d):
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
-        row = cuda.blockIdx.x
         gv = cuda.local.array(NS, float32)
         uv = cuda.local.array(NS, float32)
         sm = cuda.shared.array(REDUCE_SCRATCH, float32)
+        # a 1-D grid of rows x chunks, row-major: consecutive blocks stream consecutive memory
+        nu = (d + (UNIT - 1)) >> 3
+        chunks = max((nu + nt * UPT - 1) // (nt * UPT), 1)
+        b = uint32(cuda.blockIdx.x)
         inv = ONE
         if Q == "static":
             inv = ONE / scale[0]
@@ -364,14 +369,16 @@ def _units(spec):
             for i in range(tid, partials.shape[0], nt):
                 a = fmax_nan(a, partials[i])
             s = block_max(a, sm) / FP8_MAX
-            if row == 0 and cuda.blockIdx.y == 0 and tid == 0:
+            if b == 0 and tid == 0:
                 scale[0] = s
             inv = ONE / s
+            b = uint32(uint32(cuda.gridDim.x) - uint32(1) - b)  # last rows first: what the first pass left in L2
+        row = b // uint32(chunks)
+        chunk = b - row * uint32(chunks)
         if row < x.shape[0] * x.shape[1]:  # (the per-tensor grid has a block for an empty x)
             i0, i1 = _row_view(x, row)
             xr, orow = x[i0, i1], out[i0, i1]
-            nu = (d + (UNIT - 1)) >> 3
-            first = int64(cuda.blockIdx.y) * nt * UPT + tid
+            first = int64(chunk) * nt * UPT + tid
             amax = ZERO
             for j in range(UPT):
                 u = first + j * nt

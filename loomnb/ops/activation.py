@@ -56,7 +56,7 @@ SMALL_WORK = 132 * 256    # units of 8 outputs under which a call counts as smal
 SMALL_BATCH = 256         # rows under which the per-token quant prefers 2 units a thread
 AMAX_THREADS = 256        # threads of a block of the dynamic per-tensor amax pass
 AMAX_BLOCKS = 512         # at most this many partial maxima (the second pass reduces them all)
-MAX_CHUNKS = 65535        # gridDim.y
+MAX_BLOCKS = 2 ** 31 - 1  # gridDim.x
 DEQUANT_THREADS = 128
 
 
@@ -66,7 +66,8 @@ def _ceil32(n):
 
 def chunk_config(num_rows, units, threads=None):
     """(threads, chunks) of the chunked kernels: a block covers ``threads * 2`` units of 8
-    outputs of one row, ``chunks`` blocks a row (``gridDim = (num_rows, chunks)``)."""
+    outputs of one row, ``chunks`` blocks a row (a 1-D grid of ``num_rows * chunks`` blocks;
+    the kernel derives ``chunks`` from ``d`` and the block size the same way)."""
     if threads is None:
         want = SMALL_CHUNK_THREADS if num_rows * units <= SMALL_WORK else CHUNK_THREADS
         threads = min(want, _ceil32(-(-units // CHUNK_UPT)))
@@ -171,10 +172,10 @@ def _chunked(op, spec, lead, ov, xv, d, stream, key, **kw):
     spec = dataclasses.replace(spec, layout="vector" if vec else "scalar")
     units = -(-d // UNIT)
     threads, chunks = chunk_config(rows, units, L.forced_threads())
-    if chunks > MAX_CHUNKS:
-        C.fail_value(op, "x", f"rows of at most {MAX_CHUNKS * threads * CHUNK_UPT * UNIT} elements",
-                     f"{d}")
-    _launch(op, spec, lead, ov, xv, d, grid=(rows, chunks), threads=threads, stream=stream,
+    if rows * chunks > MAX_BLOCKS:
+        C.fail_value(op, "x", f"at most {MAX_BLOCKS} blocks of {threads * CHUNK_UPT * UNIT} "
+                     "elements", f"{rows} rows of {d}")
+    _launch(op, spec, lead, ov, xv, d, grid=rows * chunks, threads=threads, stream=stream,
             key=key, **kw)
 
 
@@ -436,7 +437,7 @@ def dynamic_scaled_fp8_quant(x, out=None, *, scale=None, stream=None):
     _launch(op, ActSpec(xa.kind, "none", "amax", layout=layout, upt=1), lead, ov, xv, d,
             partials=pa, grid=grid1, threads=t1, stream=stream, key=k, part=(0, 2))
     _launch(op, ActSpec(xa.kind, "none", "tensor", layout=layout), lead, ov, xv, d, scale=sa,
-            partials=pa, grid=(max(rows, 1), chunks), threads=t2, stream=stream, key=k,
+            partials=pa, grid=max(rows, 1) * chunks, threads=t2, stream=stream, key=k,
             part=(1, 2))
     return oa.obj, sa.obj
 
@@ -489,7 +490,7 @@ def dynamic_per_token_scaled_fp8_quant(x, scale_ub=None, out=None, *, scales=Non
     threads, upt = token_config(rows, max(units, 1), vec, L.forced_threads())
     spec = ActSpec(xa.kind, "none", "token", scale_ub=ua is not None,
                    layout="vector" if vec else "scalar", upt=upt)
-    _launch(op, spec, lead, ov, xv, d, scales=L.array(sa), scale=ua, grid=(rows, 1),
+    _launch(op, spec, lead, ov, xv, d, scales=L.array(sa), scale=ua, grid=rows,
             threads=threads, stream=stream, key=k)
     return oa.obj, sa.obj
 
