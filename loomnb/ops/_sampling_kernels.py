@@ -275,10 +275,11 @@ _IDENTITY = (float32(-math.inf), int64(NO_INDEX), int64(0), float32(-math.inf), 
 
 
 def _stepper(given, topk, track_m2, sumexp=True):
-    """``step(x, i, st, xt, lv, li) -> st``: one element into a thread's state."""
+    """``step(x, i, st, xt, lv, li, do_topk) -> st``: one element into a thread's state (into
+    the top-k list too when the variant has one and ``do_topk``, i.e. ``k > 0``)."""
 
     @device
-    def step(x, i, st, xt, lv, li):
+    def step(x, i, st, xt, lv, li, do_topk):
         m, mi, c, m2, s, nan_i, cge, below = st
         if x != x:
             nan_i = _imin(nan_i, i)
@@ -301,7 +302,7 @@ def _stepper(given, topk, track_m2, sumexp=True):
                     cge += 1
                 elif x > below:
                     below = x
-        if topk:
+        if topk and do_topk:
             _push(lv, li, x, i, MAX_LOGPROBS)
         return (m, mi, c, m2, s, nan_i, cge, below)
 
@@ -320,7 +321,7 @@ def _row_walker(kind, layout, step):
         def walk(row, lo, hi, st, xt, lv, li, do_topk):
             nt = cuda.blockDim.x
             for i in range(lo + cuda.threadIdx.x, hi, nt):
-                st = step(one(row, i), i, st, xt, lv, li)
+                st = step(one(row, i), i, st, xt, lv, li, do_topk)
             return st
     else:
         @device
@@ -332,10 +333,10 @@ def _row_walker(kind, layout, step):
                 two = u + nt < u1
                 b = unit_of(row, u + nt) if two else a
                 for j in range(UE):
-                    st = step(a[j], u * UE + j, st, xt, lv, li)
+                    st = step(a[j], u * UE + j, st, xt, lv, li, do_topk)
                 if two:
                     for j in range(UE):
-                        st = step(b[j], (u + nt) * UE + j, st, xt, lv, li)
+                        st = step(b[j], (u + nt) * UE + j, st, xt, lv, li, do_topk)
             return st
     return walk, one
 
