@@ -226,12 +226,19 @@ class SamplingFamily(H.Family):
 FAMILY = SamplingFamily()
 
 
+def _argv(argv):
+    """vLLM has no compiled op for these: the exactness reference is the torch composite
+    (vLLM's own math) unless ``--exact-ref`` says otherwise."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return argv if "--exact-ref" in argv else ["--exact-ref", "torch", *argv]
+
+
 def parse_args(argv=None):
-    return H.parse_args(FAMILY, argv)
+    return H.parse_args(FAMILY, _argv(argv))
 
 
 def main(argv=None) -> Path:
-    return H.run(FAMILY, argv)
+    return H.run(FAMILY, _argv(argv))
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ def test_min_p_composites_compute_the_oracles_mask(sampler):
 def test_args_and_cases():
     a = B.parse_args(["--dry-run", "--quick"])
     assert a.num_rows == [1, 32, 128] and a.vocab_size == [151936] and a.dtype == "fp32"
+    assert a.exact_ref == "torch", "vLLM has no compiled op for these: torch is the reference"
     assert len(B.FAMILY.cases(a)) == 4 * 3
     a = B.parse_args(["--dry-run", "--dtype", "bf16", "--vocab-sizes", "49152,128256"])
     assert a.num_rows == [1, 8, 32, 128, 512] and len(B.FAMILY.cases(a)) == 4 * 2 * 5
@@ -92,6 +93,7 @@ def test_cpu_smoke_run_end_to_end(tmp_path, monkeypatch):
                    "--out", str(tmp_path), "--tag", "t"])
     d = json.loads(Path(path).read_text())
     rows = d["results"]
+    assert d["meta"]["exact_ref"] == "torch"
     assert len(rows) == 2 * 4 * 2 * 3
     for r in rows:
         if r["provider"] == "torch":
