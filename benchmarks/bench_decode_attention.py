@@ -345,7 +345,7 @@ class Vllm(H.VllmProvider):
                 "kv_cache_dtype": "fp8" if fp8 else "auto", "k_scale": t["k_scale"],
                 "v_scale": t["v_scale"], "tp_rank": 0, "blocksparse_local_blocks": 0,
                 "blocksparse_vert_stride": 0, "blocksparse_block_size": 64,
-                "blocksparse_head_sliding_step": 0}
+                "blocksparse_head_sliding_step": 0, "sliding_window": 0}  # the last: newer trees
         args, kwargs, desc = H.bind_schema(packet.default._schema, vals, ("out", "query", "key_cache"), {})
         if op.name not in self.bindings:
             self.log(f"[vllm] {op.vllm}({desc})")

@@ -172,9 +172,9 @@ def _row_decoder(spec):
 
 
 def _row_loader(spec):
-    """``load_row(w, j, cache, bt, s, t, ok, hk, B, BSH, sb, so, sh, su, se, xl, D, r)``: lane
-    ``r``'s part of token ``t``'s row of KV head ``hk`` into slot ``j`` of ``w`` (zeros where
-    ``ok`` is false or past ``head_size``): 16-byte units as words (``"vec"``), or the raw
+    """``load_row(w, j, cache, blk, off, ok, hk, sb, so, sh, su, se, xl, D, r)``: lane ``r``'s
+    part of the row at (block ``blk``, offset ``off``) of KV head ``hk`` into slot ``j`` of ``w``
+    (zeros where ``ok`` is false or past ``head_size``): 16-byte units as words (``"vec"``), or the raw
     elements (``"scalar"``: bits as uint32, fp32 as float32), decoded by ``decode_row``."""
     R = spec.lanes
     UE = 16 // ESIZE[spec.cache]
@@ -182,15 +182,9 @@ def _row_loader(spec):
     KW = EPL * ESIZE[spec.cache] // 4
     if spec.path == "vec":
         @device
-        def load_row(w, j, cache, bt, s, t, ok, hk, B, BSH, sb, so, sh, su, se, xl, D, r):
+        def load_row(w, j, cache, blk, off, ok, hk, sb, so, sh, su, se, xl, D, r):
             if ok:
-                if BSH >= 0:
-                    bi = t >> BSH
-                    off = t & (B - 1)
-                else:
-                    bi = t // B
-                    off = t - bi * B
-                base = int64(bt[s, bi]) * sb + off * so + hk * sh
+                base = blk * sb + off * so + hk * sh
                 for i in range(VPL):
                     u = r + i * R
                     if u * UE < D:
@@ -217,15 +211,9 @@ def _row_loader(spec):
         zero = uint32(0)
 
     @device
-    def load_row(w, j, cache, bt, s, t, ok, hk, B, BSH, sb, so, sh, su, se, xl, D, r):
+    def load_row(w, j, cache, blk, off, ok, hk, sb, so, sh, su, se, xl, D, r):
         if ok:
-            if BSH >= 0:
-                bi = t >> BSH
-                off = t & (B - 1)
-            else:
-                bi = t // B
-                off = t - bi * B
-            base = int64(bt[s, bi]) * sb + off * so + hk * sh
+            base = blk * sb + off * so + hk * sh
             xm = (int64(1) << xl) - 1
             for k in range(EPL):
                 d = (r + (k // UE) * R) * UE + (k % UE)
@@ -318,8 +306,18 @@ def decode_kernel(spec):
             for j in range(TT):
                 t = tb + j * ngroups + grp
                 ok = t < end
-                load_row(kw, j, kc, bt, s, t, ok, hk, B, BSH, kb, ko, kh, ku, ke, kxl, D, r)
-                load_row(vw, j, vc, bt, s, t, ok, hk, B, BSH, vb, vo, vh, vu, ve, vxl, D, r)
+                blk = int64(0)
+                off = int64(0)
+                if ok:  # one block-table read per token, for its key and its value
+                    if BSH >= 0:
+                        bi = t >> BSH
+                        off = t & (B - 1)
+                    else:
+                        bi = t // B
+                        off = t - bi * B
+                    blk = int64(bt[s, bi])
+                load_row(kw, j, kc, blk, off, ok, hk, kb, ko, kh, ku, ke, kxl, D, r)
+                load_row(vw, j, vc, blk, off, ok, hk, vb, vo, vh, vu, ve, vxl, D, r)
             for j in range(TT):
                 decode_row(vals, kw, j)
                 for g in range(GC):
