@@ -11,7 +11,7 @@ Providers:
 * ``loomnb``: one kernel launch per call (two for Min-P), preallocated outputs;
 * ``torch``: eager composites exactly as vLLM runs them -- V1: ``log_softmax(fp32)``,
   ``argmax``, ``gather``, ``(logprobs >= lp_t).sum()``; V1 Min-P ``softmax < amax * min_p``;
-  V2 (the Triton kernels' math, §15 of the semantics note): ``x - max - log(sum(exp(x - max)))``,
+  V2 (its Triton kernels' math, ``vllm/v1/worker/gpu/sample/``): ``x - max - log(sum(exp(x - max)))``,
   ``(logits >= x_t).sum()`` plus the ``-inf`` padding lanes, Min-P ``x < max + log(min_p)``;
 * ``torch_compile``: the same composites through ``torch.compile`` (default mode);
 * ``vllm_triton``: vLLM's own V2 Triton kernels (``compute_topk_logprobs``, ``apply_min_p``)
