@@ -396,3 +396,24 @@ def test_memcheck_small_shapes():
     out = torch.empty_like(p)
     loomnb.merge_attn_states(out, p, pl, s, sl)
     torch.cuda.synchronize()
+
+
+def test_registers_fit_and_nothing_spills():
+    """The decode kernels' register arrays (query and accumulator of 4 heads x 16 elements,
+    a tile of keys and values) stay in registers after ptxas too: no local memory per thread,
+    and 256 threads (the CTA cap) can launch. A spill would cost bandwidth, not correctness."""
+    for seed, (hq, hk, d, cache) in enumerate([(32, 8, 128, "auto"), (9, 3, 64, "auto"),
+                                               (32, 8, 128, "fp8"), (8, 1, 256, "auto")]):
+        run(to_torch(make_case(30 + seed, seq_lens=[40], num_heads=hq, num_kv_heads=hk,
+                               head_size=d, cache=cache)))
+    seen = []
+    for (factory, spec, sig), k in L._kernels.items():
+        if factory.__name__ != "decode_kernel":
+            continue
+        regs = k.dispatcher.get_regs_per_thread(sig)
+        local = k.dispatcher.get_local_mem_per_thread(sig)
+        seen.append(f"{spec}: {regs} registers, {local} B local")
+        assert regs * A.MAX_DECODE_THREADS <= 65536, seen[-1]
+        assert local == 0, f"spills: {seen[-1]}"
+    assert len(seen) >= 4, seen
+    print("\n".join(seen))
