@@ -156,6 +156,7 @@ class VllmEngine:
 
     def __init__(self, config, plan, kwargs):
         self.config, self.plan, self.kwargs = config, plan, kwargs
+        self.clock = time.perf_counter
 
     def start(self):
         from vllm import LLM, SamplingParams
@@ -209,14 +210,18 @@ class VllmEngine:
 class FakeEngine:
     """A deterministic stand-in with ``VllmEngine``'s interface, for ``--dry-run`` and the CPU
     tests: tokens from a hash of (prompt, position); one configuration diverges where
-    ``LOOMNB_FAKE_DIVERGE=<config>:<prompt index>:<position>`` says; generation sleeps in
-    proportion to the tokens (configurations at different fake speeds); made-up kernel counts."""
+    ``LOOMNB_FAKE_DIVERGE=<config>:<prompt index>:<position>`` says; a virtual clock that each
+    generation advances by 1 ms plus 40 us per token times the configuration's fake speed (so
+    TPOT is 0.040 / 0.038 / 0.036 ms exactly); made-up kernel counts. ``LOOMNB_FAKE_FAIL=<config>``
+    fails that start and ``LOOMNB_FAKE_HANG=<config>`` hangs after the results are written (the
+    parent's failure and timeout paths)."""
 
     SPEED = {"default": 1.0, "vllm_ops": 0.95, "loomnb": 0.9}
     VOCAB = 49152
 
     def __init__(self, config, plan, kwargs):
         self.config, self.plan, self.kwargs = config, plan, kwargs
+        self.now = 0.0
         spec = os.environ.get("LOOMNB_FAKE_DIVERGE", "")
         self.diverge = None
         if spec:
@@ -227,7 +232,10 @@ class FakeEngine:
     def start(self):
         if os.environ.get("LOOMNB_FAKE_FAIL") == self.config:
             raise RuntimeError(f"fake engine: {self.config} fails to start (LOOMNB_FAKE_FAIL)")
-        time.sleep(0.01)
+        self.now += 0.5
+
+    def clock(self):
+        return self.now
 
     def finish(self):
         if os.environ.get("LOOMNB_FAKE_HANG") == self.config:  # a shutdown that never ends
@@ -240,7 +248,7 @@ class FakeEngine:
         return t
 
     def generate(self, prompts, max_tokens, logprobs=None):
-        time.sleep(max_tokens * 4e-5 * self.SPEED[self.config])
+        self.now += 1e-3 + max_tokens * 4e-5 * self.SPEED[self.config]
         tokens = [[self._token(p, i) for i in range(max_tokens)] for p in prompts]
         lps = None
         if logprobs:
@@ -307,9 +315,10 @@ def run_child(args):
            "position": args.position, "pid": os.getpid(), "engine": args.engine, "engine_kwargs": kwargs,
            "env": {k: os.environ.get(k) for k in ENV_KEYS}, "entry_points": _entry_points()}
     engine = (FakeEngine if args.engine == "fake" else VllmEngine)(args.config, plan, kwargs)
-    t0 = time.perf_counter()
+    clock = engine.clock  # the fake engine's is virtual
+    t0 = clock()
     engine.start()
-    out["init_s"] = time.perf_counter() - t0
+    out["init_s"] = clock() - t0
     out.update(engine.describe())
     tokens, lps = engine.generate(CHECK_PROMPTS[:plan["check_prompts"]], plan["check_tokens"],
                                   logprobs=plan["logprobs"])
@@ -322,15 +331,15 @@ def run_child(args):
         engine.generate(prompts, 8)  # warm-up at this batch size
         full, first = [], []
         for _ in range(plan["reps"]):
-            t = time.perf_counter()
+            t = clock()
             toks, _ = engine.generate(prompts, n)
-            full.append(time.perf_counter() - t)
+            full.append(clock() - t)
             if any(len(x) != n for x in toks):
                 raise RuntimeError(f"batch {batch}: expected {n} tokens per prompt (EOS ignored), "
                                    f"got {sorted({len(x) for x in toks})}")
-            t = time.perf_counter()
+            t = clock()
             engine.generate(prompts, 1)
-            first.append(time.perf_counter() - t)
+            first.append(clock() - t)
         tf, t1 = statistics.median(full), statistics.median(first)
         out["timing"][str(batch)] = {"t_full_s": full, "t_first_s": first,
                                      "tpot_ms": (tf - t1) / (n - 1) * 1e3,

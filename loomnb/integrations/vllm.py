@@ -67,6 +67,7 @@ import math
 import threading
 
 import torch
+import torch._dynamo  # assume_constant_result: counting at trace time
 from torch import Tensor
 
 import loomnb
