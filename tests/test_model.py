@@ -11,7 +11,7 @@ import torch
 
 from loomnb.models.backends import TorchReferenceOps
 from loomnb.models.gguf_loader import LlamaConfig, default_gguf_path
-from loomnb.models.llama import LlamaModel, compare_greedy
+from loomnb.models.llama import LlamaModel, compare_greedy, load_model
 from loomnb.models.paged_cache import (
     BLOCK_SIZE,
     BlockAllocator,
@@ -236,7 +236,10 @@ def test_loomnb_cuda_backend_and_cuda_graph_decode_step():
     got = model.new_runner("loomnb-cuda", 16).generate(prompts, 16, num_top_logits=5)
     ref = model.new_runner("torch-reference", 16).generate(prompts, 16, num_top_logits=5)
     assert got.backend == "loomnb-cuda"
-    assert got.token_ids == ref.token_ids, compare_greedy(got, ref)
+    # the kernels' fp32 attention (online softmax) can move a bf16 output one ulp from the
+    # reference's float64 value; that may flip a tie of bf16 logits, and nothing else may
+    verdicts = compare_greedy(got, ref)
+    assert all(v in ("identical", "near-tie") for v, _ in verdicts), verdicts
 
     eager_runner = model.new_runner("loomnb-cuda", 16)
     graph_runner = model.new_runner("loomnb-cuda", 16)
@@ -311,11 +314,15 @@ def test_tokenizer_round_trip(model):
 def test_greedy_tokens_loomnb_cpu_equal_torch_reference(model, loomnb_cpu_result):
     """8 prompts x 32 new tokens, batched decode, bf16: loomnb-cpu vs torch-reference, identical.
 
-    Both paths share every op but the norms, and the norms agree bit for bit (same rounding
-    points, float64 RMS), so the greedy tokens must be identical at every step.
+    Every memory-bound op of the step runs through the loomnb oracles on one side and the torch
+    reference on the other (norms, RoPE + cache write, decode attention, SiLU-and-mul, greedy
+    sampling); they share the rounding points, so the greedy tokens must be identical at every
+    step (attention differs only in the fp32 summation order).
     """
+    from loomnb.models.backends import LOOMNB_OPS
+
     got = loomnb_cpu_result
-    assert got.backend == "loomnb-cpu" and got.loomnb_ops == ("rms_norm", "fused_add_rms_norm")
+    assert got.backend == "loomnb-cpu" and got.loomnb_ops == LOOMNB_OPS
     assert [len(t) for t in got.token_ids] == [MAX_NEW_TOKENS] * len(PROMPTS)
     ref = model.generate(PROMPTS, MAX_NEW_TOKENS, backend="torch-reference")
     assert got.token_ids == ref.token_ids, compare_greedy(got, ref)
@@ -339,6 +346,28 @@ def test_cli_generate_check_reference(model, capsys):
                "--max-new-tokens", "6", "--device", "cpu", "--check-reference"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "loomnb ops: rms_norm, fused_add_rms_norm; torch: embedding, matmul" in out
+    assert ("loomnb ops: rms_norm, fused_add_rms_norm, rotary_embedding_and_cache, "
+            "paged_decode_attention, silu_and_mul, greedy_sample_logprob; torch: embedding, matmul") in out
     assert "check-reference: OK: greedy tokens identical for 2/2 prompts" in out
     assert "Paris" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.model
+@needs_gguf
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_smollm2_on_the_gpu_equals_the_torch_reference(dtype):
+    """SmolLM2, 8 prompts x 32 tokens, every memory-bound op on loomnb's CUDA kernels vs the
+    torch reference: identical greedy tokens, or a first divergence at a near-tie of the top
+    two logits (printed with both paths' logits)."""
+    model = load_model(device="cuda", dtype=dtype)
+    got = model.generate(PROMPTS, MAX_NEW_TOKENS, backend="loomnb-cuda", num_top_logits=5)
+    ref = model.generate(PROMPTS, MAX_NEW_TOKENS, backend="torch-reference", num_top_logits=5)
+    verdicts = compare_greedy(got, ref)
+    for i, (v, step) in enumerate(verdicts):
+        if step is not None:
+            print(f"[{i}] {v} at {step}: loomnb {got.top_logits[0][i, step][:2].tolist()} "
+                  f"{got.top_logits[1][i, step][:2].tolist()}, reference "
+                  f"{ref.top_logits[0][i, step][:2].tolist()} {ref.top_logits[1][i, step][:2].tolist()}")
+    print(f"{dtype}: {sum(v == 'identical' for v, _ in verdicts)}/{len(verdicts)} identical")
+    assert all(v in ("identical", "near-tie") for v, _ in verdicts), verdicts

@@ -1,32 +1,55 @@
-"""Ops backends: the operators of the decode loop that loomnb can replace.
+"""Ops backends: the memory-bound operators of the decode loop, swappable as a unit.
 
-A backend has ``name``, ``loomnb_ops`` (names of the ops it runs through loomnb) and
+A backend has ``name``, ``loomnb_ops`` (the ops it runs through loomnb) and:
 
-* ``rms_norm(x, weight, eps) -> y`` (new tensor),
+* ``rms_norm(x, weight, eps) -> y`` (new tensor);
 * ``fused_add_rms_norm(x, residual, weight, eps) -> (x, residual)``, in place:
-  ``residual <- round(x + residual)`` (one rounding to the activation dtype) and
-  ``x <- rms_norm(residual)``; returns the two mutated tensors.
+  ``residual <- r(x + residual)``, ``x <- rms_norm(residual)``;
+* ``rope_and_cache(positions, query, key, value, key_cache, value_cache, slot_mapping,
+  cos_sin_cache, head_size, is_neox)``: NeoX (or GPT-J) rotary embedding of ``query``/``key`` in place (views of the
+  fused QKV projection, ``[num_tokens, num_heads * head_size]`` with the QKV row stride) and
+  the rotated key and the value written to the paged cache at ``slot_mapping``;
+* ``decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale) -> out``,
+  one query token per sequence, ``[num_seqs, num_heads * head_size]``;
+* ``silu_and_mul(x) -> y``: ``silu(x[..., :d]) * x[..., d:]``;
+* ``greedy(logits) -> (token_ids int64, logprob fp32, rank int64)``: argmax (lowest index on
+  ties) and the token's log-softmax and rank (vLLM's V1 sampler).
 
-``x``/``residual`` are contiguous ``[num_tokens, hidden_size]`` and ``weight`` is
-``[hidden_size]``, all in the activation dtype (bf16 or fp32). Rounding points (vLLM's CUDA
-kernels): the normalised value rounded to the activation dtype, then one rounding of
-``normalised * weight``; ``inv = r32(1 / sqrt(sum(x^2) / H + eps))`` evaluated in float64, as
-loomnb's kernels and oracles do (see ``loomnb.ops._norm_kernels.inv_rms``), so every backend
-gives the same bits and greedy tokens can be compared exactly.
+Caches are per-layer strided views ``[num_blocks, block_size, num_kv_heads, head_size]`` of
+the interleaved ``(num_blocks, 2, block_size, num_kv_heads, head_size)`` layout of vLLM 0.24's
+FlashAttention backend. Every backend follows loomnb's numerics (``docs/numerics.md``): the
+norms' float64 ``inv``, vLLM's CUDA rounding points for RoPE (fp32, the products of the
+rotation fused as vLLM's build fuses them, one rounding per output), silu and the multiply
+each rounded to the activation dtype, fp32 attention rounded once. So greedy tokens compare
+exactly between backends; attention differs only in the fp32 summation order (the torch
+reference softmaxes in one piece, the kernel online), which can move an output by one ulp.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 BACKENDS = ("loomnb-cuda", "loomnb-cpu", "torch-reference")
-NORM_OPS = ("rms_norm", "fused_add_rms_norm")
+LOOMNB_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding_and_cache",
+              "paged_decode_attention", "silu_and_mul", "greedy_sample_logprob")
+TORCH_OPS = ("embedding", "matmul (QKV, o_proj, gate_up, down, lm_head)", "prefill attention")
+
+
+def _write_cache(key, value, key_cache, value_cache, slot_mapping):
+    """vLLM's ``reshape_and_cache_flash`` in torch: rows to (slot // block_size, slot %
+    block_size) of strided caches; slot -1 (padding) is skipped."""
+    block_size = key_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key[keep].to(key_cache.dtype)
+    value_cache[blocks, offsets] = value[keep].to(value_cache.dtype)
 
 
 class TorchReferenceOps:
-    """Pure torch, same rounding points as the loomnb kernels (vLLM's ``forward_native``
-    except that the fused add rounds the sum before normalising, like the CUDA kernel)."""
+    """Pure torch with loomnb's rounding points (the spec the kernels are checked against)."""
 
     name = "torch-reference"
     loomnb_ops: tuple[str, ...] = ()
@@ -47,11 +70,66 @@ class TorchReferenceOps:
         x.copy_(cls.rms_norm(z, weight, eps))
         return x, residual
 
+    @staticmethod
+    def rope_and_cache(positions, query, key, value, key_cache, value_cache, slot_mapping,
+                       cos_sin_cache, head_size, is_neox=True):
+        """The rotation as vLLM's CUDA op computes it: ``x' = fma(x, c, -r32(y*s))``,
+        ``y' = fma(x, s, r32(y*c))`` in fp32 (emulated in float64: the float32 products are
+        exact there), rounded once to the query dtype, ``(x, y)`` the two halves (NeoX) or the
+        even/odd channels (GPT-J) of the rotary dimensions; then the cache write."""
+        num_tokens = positions.shape[0]
+        rot = cos_sin_cache.shape[1]
+        cos, sin = cos_sin_cache.index_select(0, positions).float().double().chunk(2, dim=-1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        for t in (query, key):
+            heads = t.view(num_tokens, -1, head_size)
+            xs, ys = ((slice(0, rot // 2), slice(rot // 2, rot)) if is_neox else
+                      (slice(0, rot, 2), slice(1, rot, 2)))
+            x, y = heads[..., xs].float().double(), heads[..., ys].float().double()
+            y_sin, y_cos = (y * sin).float().double(), (y * cos).float().double()
+            new_x = (x * cos - y_sin).float().to(t.dtype)
+            new_y = (x * sin + y_cos).float().to(t.dtype)
+            heads[..., xs] = new_x
+            heads[..., ys] = new_y
+        num_kv_heads = key_cache.shape[2]
+        _write_cache(key.view(num_tokens, num_kv_heads, head_size),
+                     value.reshape(num_tokens, num_kv_heads, head_size), key_cache, value_cache,
+                     slot_mapping)
+
+    @staticmethod
+    def decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale):
+        """The decode attention's float64 value rounded once to the query dtype (what
+        ``loomnb.oracle.paged_decode_attention`` computes; the kernel's fp32 online softmax
+        lands within its tolerance of it)."""
+        from .paged_cache import paged_attention
+        positions = (seq_lens - 1).to(torch.long)
+        return paged_attention(query, key_cache, value_cache, block_tables, seq_lens, positions,
+                               scale, acc_dtype=torch.float64)
+
+    @staticmethod
+    def silu_and_mul(x):
+        """``r(f(r(silu(g))) * f(u))`` with ``silu(g) = g / (1 + expf(-g))`` in fp32, ``expf``
+        correctly rounded (float64 ``exp`` rounded once): vLLM's rounding points, and the
+        oracle's ``expf`` (the GPU kernel's libdevice ``expf`` is within 2 ulps of it)."""
+        d = x.shape[-1] // 2
+        g, u = x[..., :d].float(), x[..., d:].float()
+        s = (g / (1 + torch.exp(-g.double()).float())).to(x.dtype)
+        return (s.float() * u).to(x.dtype)
+
+    @staticmethod
+    def greedy(logits):
+        lf = logits.float()
+        ids = torch.argmax(lf, dim=-1)
+        lp = torch.log_softmax(lf, dim=-1)
+        tok_lp = lp.gather(-1, ids.unsqueeze(-1))
+        rank = (lp >= tok_lp).sum(-1)
+        return ids, tok_lp.squeeze(-1), rank
+
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    """Zero-copy NumPy view of a contiguous CPU tensor (bf16 as ``ml_dtypes.bfloat16``)."""
-    if not t.is_contiguous() or t.device.type != "cpu":
-        raise ValueError("loomnb-cpu backend needs contiguous CPU tensors")
+    """Zero-copy NumPy view of a CPU tensor, strides kept (bf16 as ``ml_dtypes.bfloat16``)."""
+    if t.device.type != "cpu":
+        raise ValueError("loomnb-cpu backend needs CPU tensors")
     if t.dtype == torch.bfloat16:
         import ml_dtypes
 
@@ -61,6 +139,7 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
 
 def _to_torch(a: np.ndarray) -> torch.Tensor:
     """Zero-copy torch view of a NumPy array (``ml_dtypes.bfloat16`` -> ``torch.bfloat16``)."""
+    a = np.ascontiguousarray(a)
     if a.dtype.name == "bfloat16":
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
@@ -70,46 +149,80 @@ class LoomnbCpuOps:
     """The loomnb NumPy oracles (``loomnb.oracle``) on zero-copy views of CPU tensors."""
 
     name = "loomnb-cpu"
-    loomnb_ops = NORM_OPS
+    loomnb_ops = LOOMNB_OPS
 
     def __init__(self):
         from loomnb import oracle  # lazy: the package core may be absent at import time
 
-        self._oracle = oracle
+        self.o = oracle
 
     def rms_norm(self, x, weight, eps):
-        y = self._oracle.rms_norm(_to_numpy(x), _to_numpy(weight), eps)
-        return _to_torch(np.ascontiguousarray(y))
+        return _to_torch(self.o.rms_norm(_to_numpy(x), _to_numpy(weight), eps))
 
     def fused_add_rms_norm(self, x, residual, weight, eps):
-        xn, rn = _to_numpy(x), _to_numpy(residual)
-        xo, ro = self._oracle.fused_add_rms_norm(xn, rn, _to_numpy(weight), eps)
-        # The oracle mutates its inputs (hence x, residual); copy back only if it did not.
-        if not np.shares_memory(xo, xn):
-            xn[...] = xo
-        if not np.shares_memory(ro, rn):
-            rn[...] = ro
+        self.o.fused_add_rms_norm(_to_numpy(x), _to_numpy(residual), _to_numpy(weight), eps)
         return x, residual
+
+    def rope_and_cache(self, positions, query, key, value, key_cache, value_cache, slot_mapping,
+                       cos_sin_cache, head_size, is_neox=True):
+        self.o.rotary_embedding_and_cache(
+            _to_numpy(positions), _to_numpy(query), _to_numpy(key), _to_numpy(value),
+            _to_numpy(key_cache), _to_numpy(value_cache), _to_numpy(slot_mapping), head_size,
+            _to_numpy(cos_sin_cache), is_neox)
+
+    def decode_attention(self, query, key_cache, value_cache, block_tables, seq_lens, scale):
+        out = self.o.paged_decode_attention(_to_numpy(query), _to_numpy(key_cache),
+                                            _to_numpy(value_cache), _to_numpy(block_tables),
+                                            _to_numpy(seq_lens), scale)
+        return _to_torch(out).reshape(query.shape[0], -1)
+
+    def silu_and_mul(self, x):
+        return _to_torch(self.o.silu_and_mul(_to_numpy(x)))
+
+    def greedy(self, logits):
+        ids, lp, rank = self.o.greedy_sample_logprob(_to_numpy(logits))
+        return _to_torch(ids), _to_torch(lp), _to_torch(rank)
 
 
 class LoomnbCudaOps:
     """The loomnb Numba-CUDA kernels on torch CUDA tensors."""
 
     name = "loomnb-cuda"
-    loomnb_ops = NORM_OPS
+    loomnb_ops = LOOMNB_OPS
 
     def __init__(self):
         import loomnb  # lazy, see LoomnbCpuOps
 
-        self._rms_norm = loomnb.rms_norm
-        self._fused_add_rms_norm = loomnb.fused_add_rms_norm
+        self.m = loomnb
 
     def rms_norm(self, x, weight, eps):
-        return self._rms_norm(x, weight, eps)
+        return self.m.rms_norm(x, weight, eps)
 
     def fused_add_rms_norm(self, x, residual, weight, eps):
-        self._fused_add_rms_norm(x, residual, weight, eps)
+        self.m.fused_add_rms_norm(x, residual, weight, eps)
         return x, residual
+
+    def rope_and_cache(self, positions, query, key, value, key_cache, value_cache, slot_mapping,
+                       cos_sin_cache, head_size, is_neox=True):
+        if cos_sin_cache.dtype == torch.float32:  # the fused op takes a cache of the query dtype
+            self.m.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
+            self.m.reshape_and_cache_flash(key.view(key.shape[0], -1, head_size),
+                                           value.view(value.shape[0], -1, head_size), key_cache,
+                                           value_cache, slot_mapping, "auto", None, None)
+            return
+        self.m.rotary_embedding_and_cache(positions, query, key, value, key_cache, value_cache,
+                                          slot_mapping, head_size, cos_sin_cache, is_neox)
+
+    def decode_attention(self, query, key_cache, value_cache, block_tables, seq_lens, scale):
+        out = self.m.paged_decode_attention(query, key_cache, value_cache, block_tables,
+                                            seq_lens, scale)
+        return out.view(query.shape[0], -1)
+
+    def silu_and_mul(self, x):
+        return self.m.silu_and_mul(x)
+
+    def greedy(self, logits):
+        return self.m.greedy_sample_logprob(logits)
 
 
 def default_backend(device: torch.device | str) -> str:

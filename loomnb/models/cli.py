@@ -125,6 +125,10 @@ def build_parser(prog: str = "loomnb") -> argparse.ArgumentParser:
                    help="with --check-reference: also accept a divergence that starts where "
                         "the top two logits are within 2 bf16 ulps, which fp32 reduction-order "
                         "differences can flip (default: off)")
+    g.add_argument("--logprobs", action="store_true",
+                   help="print each generated token's log-probability and rank (computed with the "
+                        "greedy choice in one pass: loomnb.greedy_sample_logprob, vLLM's V1 "
+                        "sampler's definitions) (default: off)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bars on stderr for the prefill (per layer) and the decode "
                         "(per token) (default: on when stderr is a terminal)")
@@ -288,6 +292,16 @@ def _report(result, header: str) -> None:
           f"in {result.decode_time_s:.3f} s ({result.decode_tokens_per_s:.1f} tok/s)")
 
 
+def _report_logprobs(result, tokenizer) -> None:
+    """Each generated token with its log-probability (fp32 log-softmax of the raw logits) and
+    rank (1-based; ties count against the token: vLLM's V1 sampler), as the backend's greedy
+    sampler computed them in the same pass as the argmax."""
+    for i, (ids, lps, ranks) in enumerate(zip(result.token_ids, result.token_logprobs,
+                                              result.token_ranks)):
+        cells = [f"{tokenizer.decode([t])!r} {lp:.4f} #{rk}" for t, lp, rk in zip(ids, lps, ranks)]
+        print(f"[{i}] logprobs: " + ", ".join(cells))
+
+
 def _generate_with_progress(model, args, backend, show, label):
     bars = _progress(show, label)
     try:
@@ -301,7 +315,8 @@ def _generate_with_progress(model, args, backend, show, label):
 def generate(args) -> int:
     """``loomnb generate``: validate, load, decode, report (see the module docstring)."""
     plan = validate(args)
-    from .llama import TORCH_OPS, compare_greedy, load_model
+    from .backends import LOOMNB_OPS, TORCH_OPS
+    from .llama import compare_greedy, load_model
 
     header, cfg = plan.header, plan.header.config
     print(f"loading {Path(plan.gguf).name} ({header.file_type} GGUF, {cfg.num_hidden_layers} "
@@ -312,13 +327,15 @@ def generate(args) -> int:
     lens = ", ".join(str(len(p)) for p in plan.prompt_token_ids)
     chat = " (chat template)" if args.chat else ""
     print(f"prefill {len(args.prompt)} prompt(s) of {lens} tokens{chat}, "
-          f"then {args.max_new_tokens - 1} decode step(s); norms on {plan.backend}", flush=True)
+          f"then {args.max_new_tokens - 1} decode step(s); memory-bound ops on {plan.backend}",
+          flush=True)
     show = sys.stderr.isatty() if args.progress is None else args.progress
     result = _generate_with_progress(model, args, plan.backend, show, "generate")
     _report(result, "generate")
+    if args.logprobs:
+        _report_logprobs(result, model.tokenizer)
     loomnb_ops = ", ".join(result.loomnb_ops) or "none"
-    torch_ops = [op for op in TORCH_OPS + ("rms_norm", "fused_add_rms_norm")
-                 if op not in result.loomnb_ops]
+    torch_ops = list(TORCH_OPS) + [op for op in LOOMNB_OPS if op not in result.loomnb_ops]
     print(f"loomnb ops: {loomnb_ops}; torch: {', '.join(torch_ops)}")
     if not args.check_reference:
         return EXIT_OK

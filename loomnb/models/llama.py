@@ -32,19 +32,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .backends import get_backend
+from .backends import LOOMNB_OPS, TORCH_OPS, get_backend
 from .gguf_loader import GGUFCheckpoint, LlamaConfig, hf_weights, load_checkpoint
-from .paged_cache import (
-    BLOCK_SIZE,
-    PagedKVCache,
-    cdiv,
-    compute_slot_mapping,
-    paged_attention,
-    reshape_and_cache,
-)
+from .paged_cache import BLOCK_SIZE, PagedKVCache, cdiv, compute_slot_mapping, paged_attention
 from .tokenizer import GGUFTokenizer
 
-TORCH_OPS = ("embedding", "matmul", "rotary", "attention", "silu_and_mul", "argmax")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -84,11 +76,6 @@ class RotaryEmbedding:
         q = self.apply(query.view(num_tokens, -1, self.head_size), cos, sin)
         k = self.apply(key.view(num_tokens, -1, self.head_size), cos, sin)
         return q.reshape(query.shape), k.reshape(key.shape)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    d = x.shape[-1] // 2
-    return F.silu(x[..., :d]) * x[..., d:]
 
 
 def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
@@ -147,13 +134,21 @@ class LlamaModel:
                    GGUFTokenizer(ckpt.metadata), device, dtype, is_neox_style)
 
     def forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens, kv_cache, ops,
-                on_layer=None):
-        """Hidden states ``[num_tokens, hidden_size]`` after the final norm. ``on_layer(n)``, if
-        given, is called after layer ``n`` (1-based) has been issued (progress reporting)."""
+                on_layer=None, decode=False):
+        """Hidden states ``[num_tokens, hidden_size]`` after the final norm. ``decode``: one
+        token per sequence (``positions``/``slot_mapping``/``seq_lens`` ``[num_seqs]``), whose
+        attention is the backend's paged decode attention; otherwise one sequence's prefill
+        (torch causal attention over the cache). ``on_layer(n)``, if given, is called after
+        layer ``n`` (1-based) has been issued (progress reporting).
+
+        Per layer: the norm (fused with the residual add), one QKV GEMM, RoPE on q and k in
+        place plus the KV-cache write (one backend op), attention, o_proj, the fused add + norm,
+        one gate/up GEMM, SiLU-and-mul, down_proj."""
         cfg = self.config
         eps = cfg.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed_tokens)
         residual = None
+        num_tokens = input_ids.shape[0]
         for i, layer in enumerate(self.layers):
             if residual is None:
                 residual = hidden
@@ -163,17 +158,20 @@ class LlamaModel:
                                                           layer.input_layernorm, eps)
             qkv = F.linear(hidden, layer.qkv_proj)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q, k = self.rotary(positions, q, k)
             kc, vc = kv_cache.key_caches[i], kv_cache.value_caches[i]
-            k = k.reshape(-1, cfg.num_kv_heads, cfg.head_size)
-            v = v.reshape(-1, cfg.num_kv_heads, cfg.head_size)
-            reshape_and_cache(k, v, kc, vc, slot_mapping)
-            q = q.reshape(-1, cfg.num_heads, cfg.head_size)
-            attn = paged_attention(q, kc, vc, block_tables, seq_lens, positions, self.scale)
+            ops.rope_and_cache(positions, q, k, v, kc, vc, slot_mapping,
+                               self.rotary.cos_sin_cache, cfg.head_size,
+                               self.rotary.is_neox_style)
+            q = q.view(num_tokens, cfg.num_heads, cfg.head_size)
+            if decode:
+                attn = ops.decode_attention(q, kc, vc, block_tables, seq_lens, self.scale)
+            else:
+                attn = paged_attention(q, kc, vc, block_tables, seq_lens, positions, self.scale)
             hidden = F.linear(attn, layer.o_proj)
             hidden, residual = ops.fused_add_rms_norm(hidden, residual,
                                                       layer.post_attention_layernorm, eps)
-            hidden = F.linear(silu_and_mul(F.linear(hidden, layer.gate_up_proj)), layer.down_proj)
+            hidden = F.linear(ops.silu_and_mul(F.linear(hidden, layer.gate_up_proj)),
+                              layer.down_proj)
             if on_layer is not None:
                 on_layer(i + 1)
         hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, eps)
@@ -229,6 +227,8 @@ class GenerationResult:
     prompts: list[str] | None = None
     texts: list[str] | None = None
     top_logits: tuple[torch.Tensor, torch.Tensor] | None = None
+    token_logprobs: list[list[float]] | None = None  # each generated token's fp32 logprob
+    token_ranks: list[list[int]] | None = None  # and its rank (vLLM's V1 sampler)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -318,7 +318,7 @@ class ModelRunner:
     def decode_logits(self, input_ids, positions, slot_mapping, block_tables, seq_lens):
         """Logits ``[num_seqs, vocab_size]`` (model dtype) of one decode step; see decode_step."""
         hidden = self.model.forward(input_ids, positions, slot_mapping, block_tables, seq_lens,
-                                    self.kv_cache, self.ops)
+                                    self.kv_cache, self.ops, decode=True)
         return self.model.compute_logits(hidden)
 
     def decode_step(self, input_ids, positions, slot_mapping, block_tables, seq_lens):
@@ -326,8 +326,8 @@ class ModelRunner:
         ``slot_mapping`` ``[num_seqs]`` (int64), ``block_tables`` int32 ``[num_seqs,
         max_blocks]``, ``seq_lens`` int32 (including the new token). Returns next token ids
         (int64 ``[num_seqs]``). Static shapes, device-only: CUDA-graph capturable."""
-        return greedy_sample(self.decode_logits(input_ids, positions, slot_mapping, block_tables,
-                                                seq_lens))
+        return self.ops.greedy(self.decode_logits(input_ids, positions, slot_mapping,
+                                                  block_tables, seq_lens))[0]
 
     @torch.inference_mode()
     def generate(self, prompt_token_ids: list[list[int]], max_new_tokens: int,
@@ -360,11 +360,15 @@ class ModelRunner:
         t0 = time.perf_counter()
         tops = []
 
+        logprobs = []
+
         def sample(logits):  # greedy; optionally keep the top logits (on device, no sync)
             if num_top_logits:
                 top = logits.float().topk(num_top_logits, dim=-1)
                 tops.append((top.indices, top.values))
-            return greedy_sample(logits)
+            ids, lp, rank = self.ops.greedy(logits)
+            logprobs.append((lp, rank))
+            return ids
 
         first = []
         num_layers = self.model.config.num_hidden_layers
@@ -393,6 +397,9 @@ class ModelRunner:
         _sync(dev)
         t2 = time.perf_counter()
         token_ids = torch.stack(out, dim=1).cpu().tolist()
+        steps = [tuple(torch.cat(t) for t in zip(*logprobs[:num_seqs]))] + logprobs[num_seqs:]
+        token_logprobs = torch.stack([lp for lp, _ in steps], dim=1).cpu().tolist()
+        token_ranks = torch.stack([rk for _, rk in steps], dim=1).cpu().tolist()
         top_logits = None
         if num_top_logits:  # the prefill's tops are per sequence, the decode's per batch
             steps = [tuple(torch.cat(t) for t in zip(*tops[:num_seqs]))] + tops[num_seqs:]
@@ -409,6 +416,8 @@ class ModelRunner:
             num_prefill_tokens=sum(prompt_lens),
             num_decode_tokens=num_seqs * (max_new_tokens - 1),
             top_logits=top_logits,
+            token_logprobs=token_logprobs,
+            token_ranks=token_ranks,
         )
 
 

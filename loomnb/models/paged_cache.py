@@ -1,8 +1,9 @@
-"""Paged KV cache in vLLM's flash-attention layout, and attention that reads it (torch).
+"""Paged KV cache in vLLM 0.24's interleaved layout, and attention that reads it (torch).
 
-Per layer ``key_cache``/``value_cache`` are ``[num_blocks, block_size, num_kv_heads,
-head_size]`` (layout ``"NHD"`` of :mod:`loomnb.layouts.paged_kv`, where the slot arithmetic
-lives). A token at ``pos`` of sequence ``seq`` lives in slot ``block_tables[seq, pos //
+Per layer one ``(num_blocks, 2, block_size, num_kv_heads, head_size)`` buffer (layout
+``"interleaved_nhd"`` of :mod:`loomnb.layouts.paged_kv`, where the slot arithmetic lives),
+read through ``key_cache``/``value_cache`` views ``[num_blocks, block_size, num_kv_heads,
+head_size]``. A token at ``pos`` of sequence ``seq`` lives in slot ``block_tables[seq, pos //
 block_size] * block_size + pos % block_size`` (``slot_mapping``, int64); reads go through
 ``block_tables`` (int32 ``[num_seqs, max_blocks]``) and ``seq_lens`` (int32).
 """
@@ -37,15 +38,20 @@ class BlockAllocator:
 
 
 class PagedKVCache:
-    """Per-layer ``key_cache``/``value_cache`` ``[num_blocks, block_size, num_kv_heads,
-    head_size]`` (vLLM's flash-attention layout) plus their block allocator."""
+    """Per-layer ``kv_caches`` in vLLM 0.24's interleaved ``(num_blocks, 2, block_size,
+    num_kv_heads, head_size)`` layout (its FlashAttention/FlashInfer/Triton backends), split into
+    ``key_caches``/``value_caches``: strided ``[num_blocks, block_size, num_kv_heads,
+    head_size]`` views (``kv[:, 0]``/``kv[:, 1]``), plus their block allocator."""
 
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype, device):
-        shape = key_cache_shape("NHD", num_blocks, block_size, num_kv_heads, head_size,
-                                dtype.itemsize)  # = value_cache_shape("NHD", ...)
-        self.key_caches = [torch.zeros(shape, dtype=dtype, device=device)
-                           for _ in range(num_layers)]
-        self.value_caches = [torch.zeros_like(k) for k in self.key_caches]
+        from ..layouts import allocate_kv_cache, kv_views
+
+        self.kv_caches = [allocate_kv_cache("interleaved_nhd", num_blocks, block_size, num_kv_heads,
+                                            head_size, dtype, device)
+                          for _ in range(num_layers)]
+        views = [kv_views(kv, "interleaved_nhd") for kv in self.kv_caches]
+        self.key_caches = [k for k, _ in views]
+        self.value_caches = [v for _, v in views]
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
 
@@ -59,26 +65,26 @@ def compute_slot_mapping(block_tables, seq_idx, positions, block_size: int) -> t
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
-    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` to their slots.
+    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` to their slots of the
+    (strided) ``[num_blocks, block_size, num_kv_heads, head_size]`` caches, at block ``slot //
+    block_size``, offset ``slot % block_size``; a padding slot (-1) is skipped, as vLLM's op.
+    Mutates: ``key_cache``, ``value_cache``."""
+    from .backends import _write_cache
 
-    NHD is slot-major, so the cache viewed as ``[num_blocks * block_size, num_kv_heads,
-    head_size]`` is indexed by slot. Mutates: ``key_cache``, ``value_cache``. Unlike vLLM's
-    op, a padding slot (-1) is not skipped: torch's ``index_copy_`` raises (this loop never
-    pads)."""
-    num_kv_heads, head_size = key_cache.shape[2:]
-    key_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, value)
+    _write_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
-def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, positions, scale):
+def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, positions, scale,
+                    acc_dtype=torch.float32):
     """Attention of ``query`` ``[num_tokens, num_heads, head_size]`` over the paged cache.
 
     Tokens are ``num_seqs`` equal runs of ``q_len = num_tokens // num_seqs`` (prefill: one
     sequence; decode: one token per sequence). Every sequence gathers all its ``max_blocks``
     blocks; key ``j`` is visible to a query at position ``p`` iff ``j <= p`` (causal) and
     ``j < seq_lens[seq]``. GQA: query head ``h`` reads kv head ``h // (num_heads //
-    num_kv_heads)``. Scores, softmax and the weighted sum are fp32; the output is rounded to
-    the query dtype. Static shapes, no host sync.
+    num_kv_heads)``. Scores, softmax and the weighted sum are in ``acc_dtype`` (fp32; float64
+    for the decode reference); the output is rounded to the query dtype. Static shapes, no
+    host sync.
     """
     num_tokens, num_heads, head_size = query.shape
     num_seqs, max_blocks = block_tables.shape
@@ -89,9 +95,9 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, posit
 
     key = key_cache[block_tables].view(num_seqs, max_context, num_kv_heads, head_size)
     value = value_cache[block_tables].view(num_seqs, max_context, num_kv_heads, head_size)
-    key = key.repeat_interleave(group, dim=2).float()  # [num_seqs, max_context, num_heads, hs]
-    value = value.repeat_interleave(group, dim=2).float()
-    q = query.view(num_seqs, q_len, num_heads, head_size).float()
+    key = key.repeat_interleave(group, dim=2).to(acc_dtype)  # [num_seqs, max_context, num_heads, hs]
+    value = value.repeat_interleave(group, dim=2).to(acc_dtype)
+    q = query.view(num_seqs, q_len, num_heads, head_size).to(acc_dtype)
 
     scores = torch.einsum("sqhd,skhd->shqk", q, key) * scale
     ctx = torch.arange(max_context, device=query.device)
