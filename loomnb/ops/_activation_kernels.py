@@ -159,59 +159,97 @@ else:
 
 
 def _act_fn(spec):
-    """``y(g, u, p0, p1)``: the source value of one element, float32 (T-rounded as specified)."""
-    rnd = CODECS[spec.kind].rnd
-    act, per_block = spec.act, spec.numerics == "per_block"
+    """``act8(gv, uv, b, p0, p1)``: the source values of one unit, in place in ``gv[b:b+8]``.
+
+    Gated sources compute ``a = act(g)`` in float32, round it to T (``r(a)``, two values per
+    conversion instruction), and multiply by ``u``; the product's own rounding ``r(a * u)`` is
+    left to the store (which rounds to nearest even as it packs) unless the sink quantises the
+    value, which must then be ``r(a * u)`` as a float32 (``FINAL``)."""
+    codec = CODECS[spec.kind]
+    act, per_block, f32 = spec.act, spec.numerics == "per_block", spec.kind == "f32"
+    unpack, pack = codec.unpack, codec.pack
+    ROUND_ACT = act in ("silu", "mul_silu", "gelu", "gelu_tanh") and not per_block and not f32
+    MUL = act not in ("none", "swigluoai")
+    FINAL = MUL and spec.quant != "none" and not per_block and not f32
+
     if act == "none":
         @device
-        def y(g, u, p0, p1):
+        def a_fn(g, u, p0, p1):
             return g
     elif act in ("silu", "mul_silu") and per_block:
         @device
-        def y(g, u, p0, p1):
-            return (g * (ONE / (ONE + expf(-g)))) * u
+        def a_fn(g, u, p0, p1):
+            return g * (ONE / (ONE + expf(-g)))
     elif act in ("silu", "mul_silu"):
         @device
-        def y(g, u, p0, p1):
-            return rnd(rnd(g / (ONE + expf(-g))) * u)
+        def a_fn(g, u, p0, p1):
+            return g / (ONE + expf(-g))
     elif act == "gelu":
         @device
-        def y(g, u, p0, p1):
-            return rnd(rnd((g * HALF) * (ONE + erff(g * GELU_ALPHA))) * u)
+        def a_fn(g, u, p0, p1):
+            return (g * HALF) * (ONE + erff(g * GELU_ALPHA))
     elif act == "gelu_tanh":
         @device
-        def y(g, u, p0, p1):
+        def a_fn(g, u, p0, p1):
             inner = GELU_BETA * fmaf(GELU_KAPPA, (g * g) * g, g)
-            return rnd(rnd((HALF * g) * (ONE + tanhf(inner))) * u)
-    elif act == "fatrelu":
+            return (HALF * g) * (ONE + tanhf(inner))
+    elif act == "fatrelu":  # g and 0 are values of T already: r(a) = a
         @device
-        def y(g, u, p0, p1):
-            a = g if g > p0 else ZERO
-            return rnd(a * u)
-    else:  # swigluoai: p0 = alpha, p1 = limit
+        def a_fn(g, u, p0, p1):
+            return g if g > p0 else ZERO
+    else:  # swigluoai, rounded once (by the store): p0 = alpha, p1 = limit
         @device
-        def y(g, u, p0, p1):
+        def a_fn(g, u, p0, p1):
             gg = fmin_nan(g, p1)
             uu = fmax_nan(fmin_nan(u, p1), -p1)
-            return rnd(((uu + ONE) * gg) / (ONE + expf((-gg) * p0)))
-    return y
+            return ((uu + ONE) * gg) / (ONE + expf((-gg) * p0))
+
+    @device
+    def act8(gv, uv, b, p0, p1):
+        for k in range(0, UNIT, 2):
+            a0 = a_fn(gv[b + k], uv[b + k], p0, p1)
+            a1 = a_fn(gv[b + k + 1], uv[b + k + 1], p0, p1)
+            if ROUND_ACT:
+                a0, a1 = unpack(pack(a1, a0))
+            if MUL:
+                a0 = a0 * uv[b + k]
+                a1 = a1 * uv[b + k + 1]
+            if FINAL:
+                a0, a1 = unpack(pack(a1, a0))
+            gv[b + k] = a0
+            gv[b + k + 1] = a1
+
+    return act8
 
 
 # ---------------------------------------------------------------- unit I/O
-def _io(spec):
-    """(load, store_t, store_q): move one unit of 8 elements starting at output element ``e``.
+def words_per_unit(spec):
+    """uint32 words a thread keeps per unit between its loads and their decoding."""
+    if spec.layout == "scalar":
+        return 1
+    return 16 if spec.kind == "f32" else 8
 
-    ``load(gv, uv, b, xr, e, d)`` fills ``gv[b:b+8]`` (and ``uv`` for gated sources) with float32
-    values, zeros past the row; ``store_t(orow, e, yv, b, d)`` stores ``yv[b:b+8]`` as T;
-    ``store_q(orow, e, qv, b, d)`` stores them as E4M3 codes (values already clamped)."""
+
+def _io(spec):
+    """(fetch, decode, store_t, store_q): move one unit of 8 elements starting at output
+    element ``e`` (unit ``j`` of a thread: values ``[8j, 8j+8)`` of its arrays).
+
+    ``fetch(wv, gv, uv, j, xr, e, d)`` issues the unit's loads -- raw words into ``wv`` in the
+    vector layout, so a thread can have all its units' loads in flight before it decodes any;
+    decoded float32 values straight into ``gv`` (and ``uv`` for gated sources, zeros past the
+    row) in the element-wise layout. ``decode(wv, gv, uv, j)`` turns the words into float32
+    (a no-op element-wise). ``store_t(orow, e, yv, b, d)`` rounds ``yv[b:b+8]`` to T and stores
+    it; ``store_q(orow, e, qv, b, d)`` stores it as E4M3 codes (values already clamped)."""
     kind, act = spec.kind, spec.act
     codec = CODECS[kind]
     dec, enc = codec.decode, codec.encode
     inter, split, swap = act == "swigluoai", act not in ("none", "swigluoai"), act == "mul_silu"
+    W = words_per_unit(spec)
 
     if spec.layout == "scalar":
         @device
-        def load(gv, uv, b, xr, e, d):
+        def fetch(wv, gv, uv, j, xr, e, d):
+            b = UNIT * j
             for k in range(UNIT):
                 if e + k < d:
                     if inter:
@@ -228,6 +266,10 @@ def _io(spec):
                     uv[b + k] = ZERO
 
         @device
+        def decode(wv, gv, uv, j):
+            pass
+
+        @device
         def store_t(orow, e, yv, b, d):
             for k in range(UNIT):
                 if e + k < d:
@@ -239,31 +281,43 @@ def _io(spec):
                 if e + k < d:
                     orow[e + k] = f32_to_e4m3(qv[b + k])
 
-        return load, store_t, store_q
+        return fetch, decode, store_t, store_q
 
-    if kind == "f32":  # words are the float bits; a unit is two 16-byte vectors
-        @device
-        def load4(v, b, xr, w):
-            t = load_u32x4(xr, w)
-            for k in range(4):
-                v[b + k] = bits_f32(t[k])
+    @device
+    def put4(wv, o, xr, w):
+        t = load_u32x4(xr, w)
+        for k in range(4):
+            wv[o + k] = t[k]
 
+    if kind == "f32":  # words are the float bits: a unit is two 16-byte vectors a half
         @device
-        def load(gv, uv, b, xr, e, d):
+        def fetch(wv, gv, uv, j, xr, e, d):
+            o = W * j
             if inter:  # 16 floats from element 2e: gate at even, up at odd positions
                 for h in range(4):
-                    t = load_u32x4(xr, 2 * e + 4 * h)
-                    gv[b + 2 * h] = bits_f32(t[0])
-                    uv[b + 2 * h] = bits_f32(t[1])
-                    gv[b + 2 * h + 1] = bits_f32(t[2])
-                    uv[b + 2 * h + 1] = bits_f32(t[3])
+                    put4(wv, o + 4 * h, xr, 2 * e + 4 * h)
             else:
                 ga, ua = (d, 0) if swap else (0, d)
-                load4(gv, b, xr, ga + e)
-                load4(gv, b + 4, xr, ga + e + 4)
+                put4(wv, o, xr, ga + e)
+                put4(wv, o + 4, xr, ga + e + 4)
                 if split:
-                    load4(uv, b, xr, ua + e)
-                    load4(uv, b + 4, xr, ua + e + 4)
+                    put4(wv, o + 8, xr, ua + e)
+                    put4(wv, o + 12, xr, ua + e + 4)
+
+        @device
+        def decode(wv, gv, uv, j):
+            o, b = W * j, UNIT * j
+            if inter:
+                for h in range(4):
+                    gv[b + 2 * h] = bits_f32(wv[o + 4 * h])
+                    uv[b + 2 * h] = bits_f32(wv[o + 4 * h + 1])
+                    gv[b + 2 * h + 1] = bits_f32(wv[o + 4 * h + 2])
+                    uv[b + 2 * h + 1] = bits_f32(wv[o + 4 * h + 3])
+            else:
+                for k in range(UNIT):
+                    gv[b + k] = bits_f32(wv[o + k])
+                    if split:
+                        uv[b + k] = bits_f32(wv[o + UNIT + k])
 
         @device
         def store_t(orow, e, yv, b, d):
@@ -271,31 +325,38 @@ def _io(spec):
                 c = b + 4 * h
                 store_u32x4(orow, e + 4 * h, (f32_bits(yv[c]), f32_bits(yv[c + 1]),
                                               f32_bits(yv[c + 2]), f32_bits(yv[c + 3])))
-    else:  # bf16/fp16: a unit is one 16-byte vector of 4 words, 2 values a word
+    else:  # bf16/fp16: a unit is one 16-byte vector of 4 words a half, 2 values a word
         unpack, pack = codec.unpack, codec.pack
 
         @device
-        def load8(v, b, xr, w):
-            t = load_u32x4(xr, w)
-            for k in range(4):
-                lo, hi = unpack(t[k])
-                v[b + 2 * k] = lo
-                v[b + 2 * k + 1] = hi
-
-        @device
-        def load(gv, uv, b, xr, e, d):
+        def fetch(wv, gv, uv, j, xr, e, d):
+            o = W * j
             if inter:  # 16 elements from element 2e (word e): each word is one (gate, up) pair
-                for h in range(2):
-                    t = load_u32x4(xr, e + 4 * h)
-                    for k in range(4):
-                        lo, hi = unpack(t[k])
-                        gv[b + 4 * h + k] = lo
-                        uv[b + 4 * h + k] = hi
+                put4(wv, o, xr, e)
+                put4(wv, o + 4, xr, e + 4)
             else:
                 ga, ua = (d, 0) if swap else (0, d)
-                load8(gv, b, xr, (ga + e) >> 1)
+                put4(wv, o, xr, (ga + e) >> 1)
                 if split:
-                    load8(uv, b, xr, (ua + e) >> 1)
+                    put4(wv, o + 4, xr, (ua + e) >> 1)
+
+        @device
+        def decode(wv, gv, uv, j):
+            o, b = W * j, UNIT * j
+            if inter:
+                for k in range(UNIT):
+                    lo, hi = unpack(wv[o + k])
+                    gv[b + k] = lo
+                    uv[b + k] = hi
+            else:
+                for k in range(4):
+                    lo, hi = unpack(wv[o + k])
+                    gv[b + 2 * k] = lo
+                    gv[b + 2 * k + 1] = hi
+                    if split:
+                        lo, hi = unpack(wv[o + 4 + k])
+                        uv[b + 2 * k] = lo
+                        uv[b + 2 * k + 1] = hi
 
         @device
         def store_t(orow, e, yv, b, d):
@@ -308,7 +369,7 @@ def _io(spec):
         hi = (int(pack_e4m3x2(qv[b + 7], qv[b + 6])) << 16) | int(pack_e4m3x2(qv[b + 5], qv[b + 4]))
         store_u32x2(orow, e >> 2, (uint32(lo), uint32(hi)))
 
-    return load, store_t, store_q
+    return fetch, decode, store_t, store_q
 
 
 @device
@@ -342,10 +403,10 @@ def _name(spec):
 
 def _units(spec):
     """Chunked sinks (none, static, tensor, group) and the register-cached per-token sink."""
-    load, store_t, store_q = _io(spec)
-    yfn = _act_fn(spec)
+    fetch, decode, store_t, store_q = _io(spec)
+    act8 = _act_fn(spec)
     Q, UPT = spec.quant, spec.upt
-    NS = UNIT * UPT
+    NS, NW = UNIT * UPT, words_per_unit(spec) * UPT
     GW = spec.group // UNIT if Q == "group" else 1  # lanes a group spans
     gmax = group_reduce(fmax_nan, GW) if Q == "group" else None
     UE8M0, UB, PER_BLOCK = spec.ue8m0, spec.scale_ub, spec.numerics == "per_block"
@@ -354,13 +415,14 @@ def _units(spec):
     def kernel(out, x, scales, scale, partials, p0, p1, d):
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
+        wv = cuda.local.array(NW, uint32)
         gv = cuda.local.array(NS, float32)
         uv = cuda.local.array(NS, float32)
         sm = cuda.shared.array(REDUCE_SCRATCH, float32)
         # a 1-D grid of rows x chunks, row-major: consecutive blocks stream consecutive memory
         nu = (d + (UNIT - 1)) >> 3
         chunks = max((nu + nt * UPT - 1) // (nt * UPT), 1)
-        b = uint32(cuda.blockIdx.x)
+        blk = uint32(cuda.blockIdx.x)
         inv = ONE
         if Q == "static":
             inv = ONE / scale[0]
@@ -369,29 +431,31 @@ def _units(spec):
             for i in range(tid, partials.shape[0], nt):
                 a = fmax_nan(a, partials[i])
             s = block_max(a, sm) / FP8_MAX
-            if b == 0 and tid == 0:
+            if blk == 0 and tid == 0:
                 scale[0] = s
             inv = ONE / s
-            b = uint32(uint32(cuda.gridDim.x) - uint32(1) - b)  # last rows first: what the first pass left in L2
-        row = b // uint32(chunks)
-        chunk = b - row * uint32(chunks)
-        if row < x.shape[0] * x.shape[1]:  # (the per-tensor grid has a block for an empty x)
+            blk = uint32(uint32(cuda.gridDim.x) - uint32(1) - blk)  # last rows first (in L2)
+        row = int64(blk // uint32(chunks))  # 32-bit division; int64 from here on
+        chunk = int64(blk) - row * chunks
+        if row < int64(x.shape[0]) * int64(x.shape[1]):  # (the per-tensor grid has a block for an empty x)
             i0, i1 = _row_view(x, row)
             xr, orow = x[i0, i1], out[i0, i1]
             first = int64(chunk) * nt * UPT + tid
+            for j in range(UPT):  # every load of the thread's units in flight at once
+                u = first + j * nt
+                if u < nu:
+                    fetch(wv, gv, uv, j, xr, u << 3, d)
             amax = ZERO
             for j in range(UPT):
                 u = first + j * nt
-                b = UNIT * j
+                o = UNIT * j
+                ga = ZERO
                 if u < nu:
-                    load(gv, uv, b, xr, u << 3, d)
-                    ga = ZERO
+                    decode(wv, gv, uv, j)
+                    act8(gv, uv, o, p0, p1)
                     for k in range(UNIT):
-                        gv[b + k] = yfn(gv[b + k], uv[b + k], p0, p1)
-                        ga = fmax_nan(ga, abs(gv[b + k]))
+                        ga = fmax_nan(ga, abs(gv[o + k]))
                     amax = fmax_nan(amax, ga)
-                else:
-                    ga = ZERO
                 if Q == "group":  # every lane of the warp takes part, in range or not
                     ga = gmax(ga)
                     if PER_BLOCK:
@@ -405,16 +469,16 @@ def _units(spec):
                             scales[row, u // GW] = s
                         rs = ONE / s
                         for k in range(UNIT):
-                            v = div_rn(gv[b + k], s, rs)
-                            gv[b + k] = v if PER_BLOCK else clamp_fp8_nan_low(v)
-                        store_q(orow, u << 3, gv, b, d)
+                            v = div_rn(gv[o + k], s, rs)
+                            gv[o + k] = v if PER_BLOCK else clamp_fp8_nan_low(v)
+                        store_q(orow, u << 3, gv, o, d)
                 elif not TOKEN and u < nu:
                     if Q == "none":
-                        store_t(orow, u << 3, gv, b, d)
+                        store_t(orow, u << 3, gv, o, d)
                     else:
                         for k in range(UNIT):
-                            gv[b + k] = clamp_fp8(gv[b + k] * inv)
-                        store_q(orow, u << 3, gv, b, d)
+                            gv[o + k] = clamp_fp8(gv[o + k] * inv)
+                        store_q(orow, u << 3, gv, o, d)
             if TOKEN:
                 s = scale_from_amax(block_max(amax, sm), scale[0] if UB else ZERO, UB)
                 if tid == 0:
@@ -434,13 +498,14 @@ def _units(spec):
 def _token_loop(spec):
     """Per-token sink for rows too long to hold in registers: amax pass, block reduction, then
     a second pass that reads the row again and quantises it."""
-    load, store_t, store_q = _io(spec)
-    UB = spec.scale_ub
+    fetch, decode, store_t, store_q = _io(spec)
+    UB, NW = spec.scale_ub, words_per_unit(spec)
 
     def kernel(out, x, scales, scale, partials, p0, p1, d):
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
         row = cuda.blockIdx.x
+        wv = cuda.local.array(NW, uint32)
         gv = cuda.local.array(UNIT, float32)
         uv = cuda.local.array(UNIT, float32)
         sm = cuda.shared.array(REDUCE_SCRATCH, float32)
@@ -449,7 +514,8 @@ def _token_loop(spec):
         nu = (d + (UNIT - 1)) >> 3
         amax = ZERO
         for u in range(int64(tid), nu, nt):
-            load(gv, uv, 0, xr, u << 3, d)
+            fetch(wv, gv, uv, 0, xr, u << 3, d)
+            decode(wv, gv, uv, 0)
             for k in range(UNIT):
                 amax = fmax_nan(amax, abs(gv[k]))
         s = scale_from_amax(block_max(amax, sm), scale[0] if UB else ZERO, UB)
@@ -457,7 +523,8 @@ def _token_loop(spec):
             scales[row, 0] = s
         rs = ONE / s
         for u in range(int64(tid), nu, nt):
-            load(gv, uv, 0, xr, u << 3, d)
+            fetch(wv, gv, uv, 0, xr, u << 3, d)
+            decode(wv, gv, uv, 0)
             for k in range(UNIT):
                 gv[k] = clamp_fp8(div_rn(gv[k], s, rs))
             store_q(orow, u << 3, gv, 0, d)
@@ -470,13 +537,15 @@ def _amax(spec):
     """First pass of the dynamic per-tensor quant: block ``(bx, by)`` folds ``max|x|`` over rows
     ``bx, bx + gx, ...`` and units ``by*T + t, ... (step gy*T)``, and writes it to
     ``partials[by*gx + bx]`` (every slot is written: no zeroing, no atomics, deterministic)."""
-    load, _, _ = _io(spec)
+    fetch, decode, _, _ = _io(spec)
+    NW = words_per_unit(spec)
 
     def kernel(out, x, scales, scale, partials, p0, p1, d):
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
         gx = cuda.gridDim.x
         gy = cuda.gridDim.y
+        wv = cuda.local.array(NW, uint32)
         gv = cuda.local.array(UNIT, float32)
         uv = cuda.local.array(UNIT, float32)
         sm = cuda.shared.array(REDUCE_SCRATCH, float32)
@@ -486,7 +555,8 @@ def _amax(spec):
             i0, i1 = _row_view(x, row)
             xr = x[i0, i1]
             for u in range(int64(cuda.blockIdx.y) * nt + tid, nu, int64(gy) * nt):
-                load(gv, uv, 0, xr, u << 3, d)
+                fetch(wv, gv, uv, 0, xr, u << 3, d)
+                decode(wv, gv, uv, 0)
                 for k in range(UNIT):
                     amax = fmax_nan(amax, abs(gv[k]))
         amax = block_max(amax, sm)
