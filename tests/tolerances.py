@@ -61,6 +61,9 @@ TOL = {
     # rope_cache: everything is elementwise -- RoPE in fp32 with each output rounded once (an
     # FMA emulated exactly by fma_f32), bit copies and FP8 conversions of x / scale (IEEE).
     ("rope_cache", "any"): (0, 0.0, "elementwise: bit-exact, FMA contraction reproduced exactly"),
+    # spec_decode: integer comparisons, an argmax (an order, no arithmetic) and integer scans --
+    # every output of rejection_greedy_sample and greedy_verify is compared bit for bit.
+    ("spec_decode", "any"): (0, 0.0, "comparisons, argmax and integer compaction: bit-exact"),
 }
 
 # relative tolerance of the per-token FP8 scale: amax/448 of values that are bit-exact but for

@@ -114,7 +114,8 @@ class SpeculativeResult(GenerationResult):
     after the prefill, ``num_draft_tokens`` proposed drafts (placeholders not counted),
     ``num_accepted_tokens`` accepted drafts, ``num_emitted_tokens`` tokens the passes emitted
     (accepted + 1 per sequence and pass, before cutting at ``max_new_tokens``),
-    ``num_seq_steps`` (sequence, pass) pairs."""
+    ``num_seq_steps`` (sequence, pass) pairs, ``graph_capture_s`` the time spent capturing
+    CUDA graphs (included in ``decode_time_s``)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 0
@@ -125,6 +126,7 @@ class SpeculativeResult(GenerationResult):
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
+    graph_capture_s: float = 0.0  # part of decode_time_s: capturing the passes' CUDA graphs
 
     @property
     def acceptance_rate(self) -> float:
@@ -157,6 +159,7 @@ class _Pass:
 
     def __init__(self, runner, block_tables, k, cuda_graph, num_top_logits, plain=False):
         self.runner, self.k, self.graph, self.plain = runner, k, None, plain
+        self.capture_s = 0.0  # warm-up run + capture of the graph (CUDA graphs only)
         self.cuda_graph, self.num_top_logits = cuda_graph, num_top_logits
         dev = runner.model.device
         R = block_tables.shape[0]
@@ -205,6 +208,7 @@ class _Pass:
             self._body()
             return
         if self.graph is None:
+            t0 = time.perf_counter()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -213,6 +217,7 @@ class _Pass:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
                 self._body()
+            self.capture_s = time.perf_counter() - t0
         self.graph.replay()
 
     def run_plain(self, input_ids, positions, steps):
@@ -331,6 +336,7 @@ class SpeculativeRunner(ModelRunner):
             generated = [max_new_tokens] * num_seqs
             res.update(num_steps=steps, num_seq_steps=steps * num_seqs,
                        num_emitted_tokens=steps * num_seqs)
+            passes[0] = plain
             if progress is not None:
                 progress("decode", max_new_tokens, max_new_tokens)
         while min(generated) < max_new_tokens:
@@ -383,7 +389,7 @@ class SpeculativeRunner(ModelRunner):
             num_prefill_tokens=sum(len(p) for p in prompts),
             num_decode_tokens=num_seqs * (max_new_tokens - 1), top_logits=top_logits,
             method="ngram", num_speculative_tokens=k, prompt_lookup=(lookup_min, lookup_max),
-            cuda_graph=cuda_graph, **res)
+            cuda_graph=cuda_graph, graph_capture_s=sum(p.capture_s for p in passes.values()), **res)
 
 
 def generate_speculative(model, prompts, max_new_tokens=32, *, backend=None, chat=False,
