@@ -262,3 +262,16 @@ def test_gpu_smollm2_speculative_with_graphs():
     ref = model.generate(prompts, 48, chat=True, num_top_logits=3)
     got = generate_speculative(model, prompts, 48, chat=True, cuda_graph=True, num_top_logits=3)
     print("\n" + got.summary(), "verdicts vs plain greedy (fast GEMMs):", compare_greedy(got, ref))
+
+
+def test_progress_reports_prefill_layers_and_decode_steps():
+    calls = []
+    model = copy_llama()
+    from loomnb.models.backends import get_backend
+    runner = SpeculativeRunner(model, get_backend("torch-reference"), 64)
+    runner.generate_speculative(PROMPTS[:2], 12, progress=lambda *a: calls.append(a))
+    prefill = [c for c in calls if c[0] == "prefill"]
+    decode = [c for c in calls if c[0] == "decode"]
+    assert prefill[-1] == ("prefill", 4, 4) and len(prefill) == 4, "2 prompts x 2 layers"
+    assert decode[-1] == ("decode", 11, 11) and len(decode) < 11, "fewer passes than tokens"
+    assert [d[1] for d in decode] == sorted(d[1] for d in decode)

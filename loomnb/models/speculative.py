@@ -271,8 +271,10 @@ class SpeculativeRunner(ModelRunner):
         is plain greedy decoding through the same passes. ``cuda_graph``: capture each pass
         shape once (CUDA only). ``num_top_logits`` > 0 records each emitted token's top logits
         (``result.top_logits``, for :func:`loomnb.models.compare_greedy`). ``progress(stage,
-        done, total)``: ``("decode", tokens of the slowest sequence, max_new_tokens)`` after
-        each pass. Raises ``ValueError`` for bad arguments."""
+        done, total)``, as :meth:`ModelRunner.generate` calls it: ``("prefill", layers done,
+        num_seqs * num_hidden_layers)`` during the prefill, then ``("decode", steps done,
+        max_new_tokens - 1)`` after each pass (steps: the slowest sequence's tokens after the
+        first). Raises ``ValueError`` for bad arguments."""
         k = num_speculative_tokens
         if max_new_tokens < 1 or any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("need max_new_tokens >= 1 and non-empty prompts")
@@ -312,8 +314,12 @@ class SpeculativeRunner(ModelRunner):
         _sync(dev)
         t0 = time.perf_counter()
         history, tops = [], [[] for _ in prompts]
+        num_layers = self.model.config.num_hidden_layers
         for i, ids in enumerate(prompts):  # the prefill, as ModelRunner.generate
-            logits = self.model.compute_logits(self.prefill(ids, block_tables[i:i + 1])[-1:])
+            on_layer = (None if progress is None else
+                        lambda n, i=i: progress("prefill", i * num_layers + n, num_seqs * num_layers))
+            logits = self.model.compute_logits(self.prefill(ids, block_tables[i:i + 1],
+                                                            on_layer)[-1:])
             history.append(list(ids) + [int(torch.argmax(logits.float(), dim=-1).item())])
             if num_top_logits:
                 top = logits.float().topk(num_top_logits, dim=-1)
@@ -338,7 +344,7 @@ class SpeculativeRunner(ModelRunner):
                        num_emitted_tokens=steps * num_seqs)
             passes[0] = plain
             if progress is not None:
-                progress("decode", max_new_tokens, max_new_tokens)
+                progress("decode", max_new_tokens - 1, max_new_tokens - 1)
         while min(generated) < max_new_tokens:
             live = [g < max_new_tokens for g in generated]
             drafts = [propose_ngram(h, min(k, max_new_tokens - g - 1), lookup_min, lookup_max,
@@ -373,7 +379,7 @@ class SpeculativeRunner(ModelRunner):
                         row = s * (kk + 1) + j
                         tops[s].append((top[0][row], top[1][row]))
             if progress is not None:
-                progress("decode", min(generated), max_new_tokens)
+                progress("decode", min(generated) - 1, max_new_tokens - 1)
         _sync(dev)
         t2 = time.perf_counter()
         token_ids = [h[len(p):] for h, p in zip(history, prompts)]
@@ -398,7 +404,12 @@ def generate_speculative(model, prompts, max_new_tokens=32, *, backend=None, cha
     """``loomnb generate --speculative ngram``: like :meth:`LlamaModel.generate` (prompts: a
     str or a list of str; ``chat`` wraps them in the chat template), decoding with prompt-lookup
     speculation (:class:`SpeculativeRunner`). Returns a :class:`SpeculativeResult` with the
-    texts cut at the first stop token; ``result.summary()`` is the report line."""
+    texts cut at the first stop token; ``result.summary()`` is the report line.
+
+    Defaults: ``k = 4`` drafts from 2- to 4-grams. vLLM's defaults (``prompt_lookup_min =
+    prompt_lookup_max = 5`` when neither is given, ``num_speculative_tokens`` required) suit
+    long, repetitive contexts; SmolLM2's short answers match shorter n-grams (on a code-copying
+    prompt on the CPU: 1.96 tokens per pass with 2..4-grams, 1.62 with 5-grams)."""
     from .backends import get_backend
 
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
