@@ -269,9 +269,9 @@ def test_progress_reports_prefill_layers_and_decode_steps():
     model = copy_llama()
     from loomnb.models.backends import get_backend
     runner = SpeculativeRunner(model, get_backend("torch-reference"), 64)
-    runner.generate_speculative(PROMPTS[:2], 12, progress=lambda *a: calls.append(a))
+    runner.generate_speculative(PROMPTS[:2], 30, progress=lambda *a: calls.append(a))
     prefill = [c for c in calls if c[0] == "prefill"]
     decode = [c for c in calls if c[0] == "decode"]
     assert prefill[-1] == ("prefill", 4, 4) and len(prefill) == 4, "2 prompts x 2 layers"
-    assert decode[-1] == ("decode", 11, 11) and len(decode) < 11, "fewer passes than tokens"
+    assert decode[-1] == ("decode", 29, 29) and len(decode) < 29, "fewer passes than tokens"
     assert [d[1] for d in decode] == sorted(d[1] for d in decode)
