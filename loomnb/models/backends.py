@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("loomnb-cuda", "loomnb-cpu", "torch-reference")
+BACKENDS = ("loomnb-cuda", "loomnb-cpu", "torch-reference", "torch")
 LOOMNB_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding_and_cache",
               "paged_decode_attention", "silu_and_mul", "greedy_sample_logprob")
 TORCH_OPS = ("embedding", "matmul (QKV, o_proj, gate_up, down, lm_head)", "prefill attention")
@@ -124,6 +124,45 @@ class TorchReferenceOps:
         tok_lp = lp.gather(-1, ids.unsqueeze(-1))
         rank = (lp >= tok_lp).sum(-1)
         return ids, tok_lp.squeeze(-1), rank
+
+
+class TorchOps(TorchReferenceOps):
+    """The loop as a research codebase would write it in torch, fp32 where it computes: RoPE
+    in fp32, attention as fp32 einsum + softmax, ``F.silu(g) * u`` -- the speed baseline of
+    ``benchmarks/bench_decode.py`` (the torch reference's float64 attention and emulated FMAs
+    are a specification, not a fair baseline). Its tokens may differ from the reference's at
+    near-ties of bf16 logits."""
+
+    name = "torch"
+
+    @staticmethod
+    def rope_and_cache(positions, query, key, value, key_cache, value_cache, slot_mapping,
+                       cos_sin_cache, head_size, is_neox=True):
+        num_tokens = positions.shape[0]
+        rot = cos_sin_cache.shape[1]
+        cos, sin = cos_sin_cache.index_select(0, positions).float().chunk(2, dim=-1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        xs, ys = ((slice(0, rot // 2), slice(rot // 2, rot)) if is_neox else
+                  (slice(0, rot, 2), slice(1, rot, 2)))
+        for t in (query, key):
+            heads = t.view(num_tokens, -1, head_size)
+            x, y = heads[..., xs].float(), heads[..., ys].float()
+            heads[..., xs], heads[..., ys] = (x * cos - y * sin).to(t.dtype), (x * sin + y * cos).to(t.dtype)
+        num_kv_heads = key_cache.shape[2]
+        _write_cache(key.view(num_tokens, num_kv_heads, head_size),
+                     value.reshape(num_tokens, num_kv_heads, head_size), key_cache, value_cache,
+                     slot_mapping)
+
+    @staticmethod
+    def decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale):
+        from .paged_cache import paged_attention
+        return paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                               (seq_lens - 1).to(torch.long), scale)
+
+    @staticmethod
+    def silu_and_mul(x):
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -234,6 +273,8 @@ def get_backend(name: str | None = None, device: torch.device | str = "cpu"):
     name = name or default_backend(device)
     if name == "torch-reference":
         return TorchReferenceOps()
+    if name == "torch":
+        return TorchOps()
     if name == "loomnb-cpu":
         if torch.device(device).type != "cpu":
             raise ValueError("loomnb-cpu runs on CPU tensors; use --device cpu")
