@@ -120,7 +120,9 @@ def test_impossible_cu_rows_are_all_placeholder():
 
 
 # ---------------------------------------------------------------- ragged batches vs the oracle
-SIM_RAGGED = [s for s in RAGGED if s != (256, 128, "skewed")]  # that one: ~15 s here, GPU test
+# batches >= 128 with 64+ drafts: ~6-15 s each here; the GPU test runs them, and
+# test_every_group_width covers their 32-lane groups at 3 requests
+SIM_RAGGED = [s for s in RAGGED if not (s[0] >= 128 and s[1] >= 64)]
 
 
 @pytest.mark.parametrize("num_reqs, max_spec_len, pattern", SIM_RAGGED)
