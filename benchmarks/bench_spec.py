@@ -371,14 +371,21 @@ FAMILY = SpecFamily()
 
 
 def _argv(argv):
-    """vLLM has no compiled op for these: the exactness reference is the ``vllm`` provider
-    (its Triton kernel, or the transcription of its rule) unless ``--exact-ref`` says
-    otherwise; ``--quick`` also trims the draft lengths."""
+    """The family's defaults on top of the harness's: the exactness reference is the ``vllm``
+    provider (its Triton kernel, or the transcription of its rule; the harness default);
+    ``--quick`` also trims the draft lengths and vocabularies; timing takes 7 repeats of
+    1 ms replays unless ``--repeats`` / ``--target-ms`` say otherwise (these ops are a few
+    microseconds: that is thousands of calls per case, and it keeps the 60-case default sweep
+    to a few minutes)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--quick" in argv and "--draft-lens" not in argv:
         argv += ["--draft-lens", "1,4,16"]
         if "--vocab-sizes" not in argv:
             argv += ["--vocab-sizes", "151936"]
+    if "--repeats" not in argv and "--quick" not in argv:
+        argv += ["--repeats", "7"]
+    if "--target-ms" not in argv and "--quick" not in argv:
+        argv += ["--target-ms", "1"]
     return argv
 
 

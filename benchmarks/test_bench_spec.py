@@ -90,11 +90,13 @@ def test_case_plan():
     a = B.parse_args(["--dry-run"])
     assert a.num_reqs == [1, 8, 32, 128, 256] and a.draft_len == [1, 4, 8, 16]
     assert a.vocab_size == [49152, 151936] and a.dtype == "fp32" and a.exact_ref == "vllm"
+    assert a.repeats == 7 and a.target_ms == 1.0, "the family's lighter timing defaults"
     cases = B.FAMILY.cases(a)
     assert len(cases) == 5 * 4 + 5 * 4 * 2, "the unfused op has no vocabulary axis"
     assert {c["vocab_size"] for c in cases if c["op"] == "rejection_greedy_sample"} == {0}
     q = B.parse_args(["--dry-run", "--quick"])
     assert q.num_reqs == [1, 32, 256] and q.draft_len == [1, 4, 16] and q.vocab_size == [151936]
+    assert q.repeats == 5 and q.target_ms == 0.5
     assert len(B.FAMILY.cases(q)) == 9 + 9
 
 
