@@ -305,3 +305,24 @@ def test_host_arrays_and_other_devices_are_rejected():
     if torch.cuda.device_count() > 1:
         with pytest.raises(loomnb.LoomnbValueError, match="on the same device as 'draft_token_ids'"):
             loomnb.greedy_verify(d, cu, torch.zeros(2, 8, device="cuda:1"), bonus, 2)
+
+
+def test_opcheck_every_form():
+    """torch.library.opcheck: schema (mutation annotations), fake tensors (the fakes' shapes and
+    dtypes), dynamic-shape AOT dispatch, for the functional and .out forms of both ops."""
+    b, g = _static_batch(6)
+    d, cu, logits, bonus = (g[k] for k in ("draft_token_ids", "cu_num_draft_tokens",
+                                           "target_logits", "bonus_token_ids"))
+    R, N = cu.shape[0], d.shape[0]
+    i32 = lambda *s: torch.empty(s, dtype=torch.int32, device="cuda")  # noqa: E731
+    ops = torch.ops.loomnb
+    cases = [
+        (ops.rejection_greedy_sample.default, (d, cu, g["target_argmax"], bonus, 4), {}),
+        (ops.rejection_greedy_sample.out, (d, cu, g["target_argmax"], bonus, 4), {"out": i32(R, 5)}),
+        (ops.greedy_verify.default, (d, cu, logits, bonus, 4, None), {}),
+        (ops.greedy_verify.out, (d, cu, logits, bonus, 4, 40000),
+         {"output_token_ids": i32(R, 5), "num_emitted": i32(R), "emitted_token_ids": i32(N + R),
+          "cu_num_emitted": i32(R + 1)}),
+    ]
+    for op, args, kwargs in cases:
+        torch.library.opcheck(op, args, kwargs)
