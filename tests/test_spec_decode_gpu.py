@@ -326,3 +326,27 @@ def test_opcheck_every_form():
     ]
     for op, args, kwargs in cases:
         torch.library.opcheck(op, args, kwargs)
+
+
+def test_memcheck_small_shapes():
+    """Every kernel variant at small shapes, for ``compute-sanitizer --tool memcheck``: both
+    argmax paths (16-byte and scalar loads, split rows), every group width of both
+    verification kernels, the fused form's rounds and compaction, impossible ``cu`` rows,
+    an empty batch."""
+    rng = np.random.default_rng(11)
+    for spec_len, vocab in ((1, 64), (7, 1001), (16, 4096), (40, 40), (128, 96)):
+        b = make_batch(rng, ragged_counts(rng, 5, spec_len, "uniform"), spec_len, vocab, accept=0.9)
+        check_fused(b, f"memcheck L={spec_len} V={vocab}")
+        check_unfused(b, f"memcheck L={spec_len}")
+        check_unfused(b, f"memcheck L={spec_len} int32", dev(b["target_argmax"].astype(np.int32)))
+    with L.force_threads(32):
+        b = make_batch(rng, ragged_counts(rng, 40, 4, "uniform"), 4, 300)
+        check_fused(b, "memcheck rounds")
+    d, t = dev(np.array([1, 2, 3, 4], np.int32)), dev(np.array([1, 2, 3, 4]))
+    bonus = dev(np.array([[7], [8], [9], [6]], np.int32))
+    cu = dev(np.array([3, 1, 4, 9], np.int32))  # decreasing, beyond N: read nothing
+    assert (loomnb.rejection_greedy_sample(d, cu, t, bonus, 2) == -1).all()
+    rows, num, emitted, cu_out = loomnb.greedy_verify(d, cu, torch.eye(8, device="cuda")[t], bonus, 2)
+    assert (rows == -1).all() and (num == 0).all() and (emitted == -1).all()
+    e = torch.zeros(0, dtype=torch.int32, device="cuda")
+    assert loomnb.greedy_verify(e, e, torch.zeros(0, 4, device="cuda"), e.view(0, 1), 1)[3].tolist() == [0]
