@@ -199,6 +199,19 @@ def test_bad_arguments():
     assert len(runner.kv_cache.allocator.free_blocks) == 16, "no block leaked"
 
 
+def test_progress_reports_prefill_layers_and_decode_steps():
+    calls = []
+    model = copy_llama()
+    from loomnb.models.backends import get_backend
+    runner = SpeculativeRunner(model, get_backend("torch-reference"), 64)
+    runner.generate_speculative(PROMPTS[:2], 30, progress=lambda *a: calls.append(a))
+    prefill = [c for c in calls if c[0] == "prefill"]
+    decode = [c for c in calls if c[0] == "decode"]
+    assert prefill[-1] == ("prefill", 4, 4) and len(prefill) == 4, "2 prompts x 2 layers"
+    assert decode[-1] == ("decode", 29, 29) and len(decode) < 29, "fewer passes than tokens"
+    assert [d[1] for d in decode] == sorted(d[1] for d in decode)
+
+
 # ---------------------------------------------------------------- SmolLM2 (the GGUF)
 needs_gguf = pytest.mark.skipif(
     default_gguf_path() is None,
@@ -229,20 +242,24 @@ def test_smollm2_speculative_equals_plain_greedy():
 @pytest.mark.parametrize("cuda_graph", [False, True])
 @pytest.mark.parametrize("k", [0, 4])
 def test_gpu_speculative_equals_plain_greedy(cuda_graph, k):
-    """loomnb-cuda (greedy_verify on the device), eager and graph-captured passes, plain greedy
-    through the loop (k=0, chained on the device) and speculation (k=4): every token and every
-    recorded logit equal plain ModelRunner.generate's under batch_invariant_linear (contexts
-    below 256 tokens: the decode-attention kernel does not split)."""
+    """On the GPU, greedy_verify on the device, eager and graph-captured passes, plain greedy
+    through the loop (k=0, chained on the device) and speculation (k=4). torch-reference
+    backend (float64 attention) under batch_invariant_linear: every token and recorded logit
+    equals plain ModelRunner.generate's. loomnb-cuda (its attention kernel sizes its blocks by
+    the block table's width, which the loop widens by k): the tokens."""
     model = copy_llama(device="cuda")
     with batch_invariant_linear():
-        ref = _plain(model, "loomnb-cuda", PROMPTS, 40)
-        got = _spec(model, "loomnb-cuda", PROMPTS, 40, num_speculative_tokens=k,
+        ref = _plain(model, "torch-reference", PROMPTS, 40)
+        got = _spec(model, "torch-reference", PROMPTS, 40, num_speculative_tokens=k,
                     cuda_graph=cuda_graph)
     assert got.token_ids == ref.token_ids, compare_greedy(got, ref)
     assert torch.equal(got.top_logits[1], ref.top_logits[1])
     assert "greedy_verify" in got.loomnb_ops
     if k:
         assert got.tokens_per_step > 2, got.summary()
+    ref = _plain(model, "loomnb-cuda", PROMPTS, 40)
+    got = _spec(model, "loomnb-cuda", PROMPTS, 40, num_speculative_tokens=k, cuda_graph=cuda_graph)
+    assert got.token_ids == ref.token_ids, compare_greedy(got, ref)
 
 
 @pytest.mark.gpu
@@ -250,28 +267,18 @@ def test_gpu_speculative_equals_plain_greedy(cuda_graph, k):
 @needs_gguf
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_smollm2_speculative_with_graphs():
-    """SmolLM2 on the GPU: under batch_invariant_linear, bit-identical to plain greedy; without
-    it (the real, fast GEMMs), the verdicts are printed: identical, or a near-tie flip."""
+    """SmolLM2 on the GPU with CUDA graphs: under batch_invariant_linear with the
+    torch-reference backend, bit-identical to plain greedy; with loomnb-cuda and the real
+    GEMMs, the verdicts are printed (identical, or a near-tie flip)."""
     from loomnb.models import load_model
     model = load_model(device="cuda", dtype="bfloat16")
     prompts = [CODE_PROMPT, "The capital of France is"]
     with batch_invariant_linear():
-        ref = model.generate(prompts, 48, chat=True, num_top_logits=3)
-        got = generate_speculative(model, prompts, 48, chat=True, cuda_graph=True, num_top_logits=3)
+        ref = model.generate(prompts, 32, backend="torch-reference", chat=True, num_top_logits=3)
+        got = generate_speculative(model, prompts, 32, backend="torch-reference", chat=True,
+                                   cuda_graph=True, num_top_logits=3)
     assert got.token_ids == ref.token_ids, compare_greedy(got, ref)
+    assert got.tokens_per_step > 1.3, got.summary()
     ref = model.generate(prompts, 48, chat=True, num_top_logits=3)
     got = generate_speculative(model, prompts, 48, chat=True, cuda_graph=True, num_top_logits=3)
     print("\n" + got.summary(), "verdicts vs plain greedy (fast GEMMs):", compare_greedy(got, ref))
-
-
-def test_progress_reports_prefill_layers_and_decode_steps():
-    calls = []
-    model = copy_llama()
-    from loomnb.models.backends import get_backend
-    runner = SpeculativeRunner(model, get_backend("torch-reference"), 64)
-    runner.generate_speculative(PROMPTS[:2], 30, progress=lambda *a: calls.append(a))
-    prefill = [c for c in calls if c[0] == "prefill"]
-    decode = [c for c in calls if c[0] == "decode"]
-    assert prefill[-1] == ("prefill", 4, 4) and len(prefill) == 4, "2 prompts x 2 layers"
-    assert decode[-1] == ("decode", 29, 29) and len(decode) < 29, "fewer passes than tokens"
-    assert [d[1] for d in decode] == sorted(d[1] for d in decode)

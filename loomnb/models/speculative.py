@@ -67,15 +67,18 @@ def batch_invariant_linear():
     ``num_seqs``, and GEMM libraries may round a row differently at another M (measured on the
     CPU, bf16: one output of SmolLM2's layer-4 ``down_proj`` differs between M = 1 and M = 5;
     30 layers then move the logits by up to 0.27). With this, and attention that is the same
-    per query (``loomnb-cpu``'s float64 oracle; the CUDA kernel below 256 tokens of context,
-    where it never splits), the speculative tokens are bit-identical to plain greedy decoding."""
+    per query whatever the batch and the block table's width (the float64 attention of
+    ``loomnb-cpu`` and ``torch-reference``; loomnb's CUDA kernel sizes its blocks by the
+    context bound, which the loop's wider block tables change), the speculative tokens and
+    logits are bit-identical to plain greedy decoding."""
     import torch.nn.functional as F
     linear = F.linear
 
     def rows(x, weight, bias=None):
         if x.dim() != 2 or x.shape[0] < 2:
             return linear(x, weight, bias)
-        return torch.cat([linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
+        # each row copied to a fresh allocation: the same alignment as a one-row decode input
+        return torch.cat([linear(x[i:i + 1].clone(), weight, bias) for i in range(x.shape[0])])
 
     F.linear = rows
     try:
