@@ -43,7 +43,7 @@ else
                 "tests/test_activation_gpu.py|bf16 and (misaligned or graph or fast_path or special or all_zero) and not vllm" \
                 "tests/test_rope_cache_gpu.py|memcheck or (bf16 and graph)" \
                 "tests/test_sampling_gpu.py|nan or recount or graph or edges" \
-                "tests/test_spec_decode_gpu.py|memcheck or ragged"; do
+                "tests/test_spec_decode_gpu.py|memcheck"; do
       files=${spec%%|*}; k=${spec#*|}
       timeout 150 compute-sanitizer --tool memcheck --report-api-errors no --print-limit 20 --error-exitcode 9 \
         python3 -m pytest -q -m gpu $files -k "$k" -p no:cacheprovider >> "$R/memcheck.log" 2>&1
@@ -54,7 +54,8 @@ else
   side=$!
   bench attention 200 benchmarks/bench_decode_attention.py --quick
   bench sampling 150 benchmarks/bench_sampling.py --quick
-  [ -f benchmarks/bench_spec.py ] && bench spec 100 benchmarks/bench_spec.py --quick
+  bench spec 170 benchmarks/bench_spec.py --quick
+  bench specloop 60 benchmarks/bench_spec.py --loop
   wait $side
 fi
 grep -E "passed|failed|ERROR SUMMARY|rc=" "$R"/pytest_gpu.log "$R"/memcheck.log "$R"/bench.log 2>/dev/null | tail -40

@@ -68,7 +68,8 @@ def test_d3420_second_half_is_only_8_byte_aligned():
     x = random_rows(rng, 2, 2 * 3420, "bf16", 3.0)
     got = loomnb.silu_and_mul(x)
     assert_same(got, loomnb.oracle.silu_and_mul(x), "d = 3420")
-    specs = {s for _, s, _ in L.launched() if getattr(s, "act", None) == "silu" and s.kind == "bf16"}
+    from loomnb.ops._activation_kernels import act_quant_kernel
+    specs = {s for f, s, _ in L.launched() if f is act_quant_kernel and s.act == "silu" and s.kind == "bf16"}
     assert any(s.layout == "scalar" for s in specs)
 
 
@@ -322,4 +323,6 @@ def test_scalar_layout_of_every_sink():
         want = getattr(loomnb.oracle, name)(np.ascontiguousarray(x), *args)
         for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
             assert_same(g, w, name)
-    assert any(getattr(s, "layout", None) == "scalar" and s.quant == "group" for _, s, _ in L.launched())
+    from loomnb.ops._activation_kernels import act_quant_kernel
+    assert any(f is act_quant_kernel and s.layout == "scalar" and s.quant == "group"
+               for f, s, _ in L.launched())

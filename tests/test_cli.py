@@ -470,3 +470,14 @@ def test_smollm2_prompt_longer_than_context(capsys, no_load):
     rc, out, err = run(capsys, "generate", "--prompt", prompt)
     assert_usage_error(rc, out, err, "prompt 1 is 8200 tokens, longer than the model's context "
                                      "of 8192 tokens")
+
+
+def test_speculative_ngram_equals_plain_greedy(capsys, tiny_gguf):
+    """--speculative ngram decodes with prompt-lookup drafts verified by greedy_verify (the
+    oracle on the CPU) and reports acceptance; --check-reference compares with plain greedy."""
+    rc, out, err = run(capsys, "generate", "--gguf", tiny_gguf, "--prompt", "the tea the tea the tea",
+                       "--max-new-tokens", "8", "--speculative", "ngram", "--check-reference",
+                       "--no-progress", "--device", "cpu")
+    assert rc == 0, out + err
+    assert "speculative ngram: k=4, n-grams 2..4:" in out and "tokens per pass" in out
+    assert "check-reference: OK: speculative tokens identical to plain greedy for 1/1 prompts" in out

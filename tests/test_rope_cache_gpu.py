@@ -136,7 +136,9 @@ def test_fused_equals_the_two_ops_and_the_vector_path_runs(layout, kv):
     torch.cuda.synchronize()
     assert torch.equal(qkv.view(torch.int16), qkv2.view(torch.int16))
     assert torch.equal(kvc.view(torch.uint8), kvc2.view(torch.uint8))
-    assert {s.layout for _, s, _ in L.launched() if s.cache != "none" and s.kind == "bf16"} >= {"vector"}
+    from loomnb.ops._rope_cache_kernels import rope_cache_kernel
+    assert {s.layout for f, s, _ in L.launched()
+            if f is rope_cache_kernel and s.cache != "none" and s.kind == "bf16"} >= {"vector"}
 
 
 @pytest.mark.parametrize("fma, inverse", [("vllm", False), ("vllm", True), ("none", False)])

@@ -125,6 +125,13 @@ def build_parser(prog: str = "loomnb") -> argparse.ArgumentParser:
                    help="with --check-reference: also accept a divergence that starts where "
                         "the top two logits are within 2 bf16 ulps, which fp32 reduction-order "
                         "differences can flip (default: off)")
+    g.add_argument("--speculative", choices=("ngram",), default=None,
+                   help="speculative decoding with prompt-lookup (n-gram) drafts verified on the "
+                        "device by loomnb.greedy_verify; the tokens equal plain greedy decoding's, "
+                        "and the acceptance rate and tokens per target pass are reported "
+                        "(default: off)")
+    g.add_argument("--num-speculative-tokens", type=_positive_int, default=4, metavar="K",
+                   help="draft tokens per target pass with --speculative (default: 4)")
     g.add_argument("--logprobs", action="store_true",
                    help="print each generated token's log-probability and rank (computed with the "
                         "greedy choice in one pass: loomnb.greedy_sample_logprob, vLLM's V1 "
@@ -302,6 +309,42 @@ def _report_logprobs(result, tokenizer) -> None:
         print(f"[{i}] logprobs: " + ", ".join(cells))
 
 
+def _speculative(model, args, plan, show) -> int:
+    """``--speculative ngram``: prompt-lookup decoding (``loomnb.models.speculative``) on the
+    chosen backend, CUDA-graphed on a GPU; with ``--check-reference`` plain greedy decoding on
+    the same backend must give the same tokens."""
+    from .llama import compare_greedy
+    from .speculative import generate_speculative
+
+    bars = _progress(show, "speculative")
+    try:
+        result = generate_speculative(model, args.prompt, args.max_new_tokens,
+                                      backend=plan.backend, chat=args.chat,
+                                      num_speculative_tokens=args.num_speculative_tokens,
+                                      cuda_graph=plan.device == "cuda",
+                                      num_top_logits=5 if args.check_reference else 0,
+                                      progress=bars)
+    finally:
+        if bars is not None:
+            bars.close()
+    _report(result, f"generate (speculative {args.speculative})")
+    print(result.summary())
+    if not args.check_reference:
+        return EXIT_OK
+    print("check-reference: decoding again with plain greedy decoding on the same backend",
+          flush=True)
+    ref = _generate_with_progress(model, args, plan.backend, show, "plain greedy")
+    _report(ref, "plain greedy")
+    verdicts = compare_greedy(result, ref)
+    n_same = sum(v == "identical" for v, _ in verdicts)
+    n_tie = sum(v == "near-tie" for v, _ in verdicts)
+    ok = n_same == len(verdicts) or (args.allow_near_ties and n_same + n_tie == len(verdicts))
+    print(f"check-reference: {'OK' if ok else 'FAILED'}: speculative tokens identical to plain "
+          f"greedy for {n_same}/{len(verdicts)} prompts x {args.max_new_tokens} tokens; "
+          f"{n_tie} diverge at a near-tie")
+    return EXIT_OK if ok else EXIT_CHECK_FAILED
+
+
 def _generate_with_progress(model, args, backend, show, label):
     bars = _progress(show, label)
     try:
@@ -330,6 +373,8 @@ def generate(args) -> int:
           f"then {args.max_new_tokens - 1} decode step(s); memory-bound ops on {plan.backend}",
           flush=True)
     show = sys.stderr.isatty() if args.progress is None else args.progress
+    if args.speculative:
+        return _speculative(model, args, plan, show)
     result = _generate_with_progress(model, args, plan.backend, show, "generate")
     _report(result, "generate")
     if args.logprobs:
