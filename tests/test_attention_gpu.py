@@ -410,8 +410,8 @@ def test_registers_fit_and_nothing_spills():
     for (factory, spec, sig), k in L._kernels.items():
         if factory.__name__ != "decode_kernel":
             continue
-        regs = k.dispatcher.get_regs_per_thread(sig)
-        local = k.dispatcher.get_local_mem_per_thread(sig)
+        compiled = k.dispatcher.overloads[sig]  # keyed by the argument types (a tuple)
+        regs, local = compiled.regs_per_thread, compiled.local_mem_per_thread
         seen.append(f"{spec}: {regs} registers, {local} B local")
         assert regs * A.MAX_DECODE_THREADS <= 65536, seen[-1]
         assert local == 0, f"spills: {seen[-1]}"

@@ -222,8 +222,9 @@ def test_hardware_e5m2_and_explicit_rounding_arithmetic():
     o = out.copy_to_host()
     assert np.array_equal(o[:, 0], o[:, 1]), xs[o[:, 0] != o[:, 1]][:5]
     assert np.array_equal(o[:, 0], loomnb.oracle.fp8.e5m2_encode(xs))
-    assert np.array_equal(o[:, 2] & 0xFF, o[:, 1]) and np.array_equal(
-        o[:, 2] >> 8, loomnb.oracle.fp8.e5m2_encode(-xs))
+    # pack_e5m2x2(hi, lo): hi in bits 15..8 (here x), lo in bits 7..0 (here -x)
+    assert np.array_equal(o[:, 2] >> 8, o[:, 1]) and np.array_equal(
+        o[:, 2] & 0xFF, loomnb.oracle.fp8.e5m2_encode(-xs))
 
     @cuda.jit
     def arith(a, b, c, out):

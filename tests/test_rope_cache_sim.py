@@ -398,4 +398,4 @@ def test_every_public_combination_is_declared():
     kinds = {(s.rope, s.cache) for s in specs}
     assert kinds == {(True, "none"), (False, "flash"), (False, "legacy"), (True, "flash"),
                      (True, "legacy")}
-    assert {s.form for s in specs} == {"ae", "ad", "nn"}
+    assert {s.form for s in specs} == {"ae", "nn"}

@@ -39,13 +39,12 @@ TORCH_OPS = ("embedding", "matmul (QKV, o_proj, gate_up, down, lm_head)", "prefi
 
 def _write_cache(key, value, key_cache, value_cache, slot_mapping):
     """vLLM's ``reshape_and_cache_flash`` in torch: rows to (slot // block_size, slot %
-    block_size) of strided caches; slot -1 (padding) is skipped."""
+    block_size) of strided caches. Static shapes, no host sync (CUDA-graph capturable), so
+    padding slots (-1) are not supported: the loop never pads (loomnb's op skips them)."""
     block_size = key_cache.shape[1]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = key[keep].to(key_cache.dtype)
-    value_cache[blocks, offsets] = value[keep].to(value_cache.dtype)
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    key_cache[blocks, offsets] = key.to(key_cache.dtype)
+    value_cache[blocks, offsets] = value.to(value_cache.dtype)
 
 
 class TorchReferenceOps:

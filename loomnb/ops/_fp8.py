@@ -63,11 +63,14 @@ else:
         """``a / b`` correctly rounded, from ``rb = RN(1/b)`` (computed once per row or group):
         one correction step with exact FMA remainders (Markstein's theorem), which avoids a full
         ``div.rn.f32`` per element. When the remainder is zero the quotient ``q`` is exact and
-        is returned as is: the correction ``fma(+0, rb, -0)`` would turn -0.0 into +0.0.
+        is returned as is: the correction ``fma(+0, rb, -0)`` would turn -0.0 into +0.0. When the
+        remainder is NaN -- ``b`` infinite (``rb = 0``: ``q`` is the signed zero, or NaN for
+        infinite ``a``), ``b`` zero (``rb`` infinite: ``q`` is +-inf or NaN) or ``a`` infinite --
+        ``q`` already is IEEE's quotient.
         ``tests/test_fp8_gpu.py`` checks it against IEEE division, signed zeros included."""
         q = a * rb
         r = cuda.fma(-q, b, a)
-        if r == float32(0):
+        if r == float32(0) or r != r:  # exact, or b / q infinite or zero (no correction)
             return q
         return cuda.fma(r, rb, q)
 

@@ -22,9 +22,10 @@ contract anything else):
 * ``y' =``  ``d``: ``fma(y, c, r32(x*s))``, ``e``: ``fma(x, s, r32(y*c))``,
   ``n``: ``r32(r32(y*c) + r32(x*s))``
 
-``FORMS`` maps the public ``fma`` option to them: ``"vllm"`` is what nvcc 13.0 makes of vLLM
-0.24's ``x*cos - y*sin`` / ``y*cos + x*sin`` for sm_90 (read from its SASS: ``ae``, and ``ad``
-on the ``inverse`` path), ``"none"`` contracts nothing.
+``FORMS`` maps the public ``fma`` option to them: ``"vllm"`` is ``ae`` on both paths -- what
+vLLM 0.24's compiled ``rotary_embedding`` computes, measured byte for byte on the H200 (a SASS
+reading of a copy of its source had suggested ``ad`` on the ``inverse`` path; vLLM's binary
+matched only ``ae`` there, bf16 data with an fp32 cache); ``"none"`` contracts nothing.
 
 Cache writes: ``"auto"`` stores the activation bits (rotated values as rounded; copied
 channels bit for bit, NaN payloads included); FP8 stores ``e4m3(f(v) / scale)`` or
@@ -61,7 +62,7 @@ KINDS = ("bf16", "f16", "f32")
 CACHES = ("none", "flash", "legacy")
 KV_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 FMAS = ("vllm", "none")
-FORMS = {("vllm", False): "ae", ("vllm", True): "ad", ("none", False): "nn", ("none", True): "nn"}
+FORMS = {("vllm", False): "ae", ("vllm", True): "ae", ("none", False): "nn", ("none", True): "nn"}
 X_FORMS, Y_FORMS = "abn", "den"
 CS_KINDS = {"bf16": ("bf16", "f32"), "f16": ("f16", "f32"), "f32": ("f32",)}  # rotary_embedding
 UNIT = 8  # elements per vector unit (16 bytes of bf16/fp16, 8 bytes of FP8)

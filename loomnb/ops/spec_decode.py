@@ -44,6 +44,9 @@ PLACEHOLDER_TOKEN_ID = -1    # vLLM's padding of the output rows
 TARGET_BLOCKS = 528          # argmax blocks worth launching: ~4 resident per SM of a 132-SM H200
 ARGMAX_THREADS = 256
 VERIFY_THREADS = 128         # rejection_greedy_sample: blocks of 4 warps, one group per request
+PACK_THREADS = 256           # greedy_verify's one block: more requests take more rounds (its
+                             # register count does not allow 1024 threads: measured on the H200,
+                             # a 1024-thread launch failed with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)
 UNIT_ELEMS = {"f32": 4, "bf16": 8, "f16": 8}  # elements of one 16-byte load
 
 
@@ -63,10 +66,11 @@ def argmax_config(num_rows, units, threads=None):
 
 def verify_config(num_reqs, max_spec_len, pack, threads=None):
     """(group lanes per request, threads per block, blocks): one group per request; the fused
-    form runs in one block (up to 1024 threads; more requests take more rounds)."""
+    form runs in one block (up to ``PACK_THREADS``, a forced size included; more requests take
+    more rounds)."""
     g = group_for(max_spec_len)
     if pack:
-        t = threads or min(1024, _ceil32(num_reqs * g))
+        t = min(threads or _ceil32(num_reqs * g), PACK_THREADS)
         return g, t, 1
     t = threads or min(VERIFY_THREADS, _ceil32(num_reqs * g))
     return g, t, -(-num_reqs * g // t)

@@ -26,7 +26,7 @@ from .numerics import fma_f32, to_dtype
 __all__ = ["rotary_embedding", "reshape_and_cache_flash", "reshape_and_cache",
            "rotary_embedding_and_cache"]
 
-_FORMS = {("vllm", False): "ae", ("vllm", True): "ad", ("none", False): "nn", ("none", True): "nn"}
+_FORMS = {("vllm", False): "ae", ("vllm", True): "ae", ("none", False): "nn", ("none", True): "nn"}
 _KV = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 
 
