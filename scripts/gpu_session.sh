@@ -43,7 +43,17 @@ bench() {  # bench GPU NAME LIMIT SCRIPT ARGS...: one benchmark on one GPU with 
   tail -6 "$R/bench_$name.log" >> "$R/bench_$gpu.log"
 }
 
-if [ "$part" = C ]; then  # after fixes: the families' GPU tests that failed or changed, again
+if [ "$part" = D ]; then  # what part C's time limit cut off, and the memcheck subsets that matched nothing
+  ( tests 0 rest 150 tests/test_rope_cache_gpu.py tests/test_attention_gpu.py tests/test_activation_gpu.py \
+      -k "e5m2 or vllm or padded or unit_vector or registers or 64bit_offsets_large" ) &
+  first=$!
+  ( memcheck 1 75 tests/test_activation_gpu.py "misaligned or special or all_zero"
+    memcheck 1 70 tests/test_rope_cache_gpu.py "padded or unit_vector or partial_warps" ) &
+  second=$!
+  wait $first $second
+  grep -hE "passed|failed|rc=|ERROR SUMMARY" "$R"/pytest_*.log "$R"/memcheck_*.log | tail -20
+  grep -hE "^(FAILED|ERROR) |^_+ test|^E  " "$R"/pytest_*.log | head -30
+elif [ "$part" = C ]; then  # after fixes: the families' GPU tests that failed or changed, again
   ( tests 0 fixes0 330 tests/test_activation_gpu.py tests/test_fp8_gpu.py tests/test_norm_gpu.py \
       tests/test_rope_cache_gpu.py tests/test_attention_gpu.py -k "not 2_31 and not 64bit"
     memcheck 0 60 tests/test_activation_gpu.py "bf16 and (misaligned or special or all_zero) and not vllm" ) &
