@@ -291,7 +291,7 @@ def extra_sections(results_dir: Path) -> list[str]:
         if "fast_path_pieces_us" in data:
             lines += ["", "Pieces of loomnb's fast path, timed alone:", "", "| piece | µs |", "|---|---:|"]
             lines += [f"| {name} | {us:.2f} |" for name, us in data["fast_path_pieces_us"].items()]
-    path = newest_or_none("decode_*.json")
+    path = newest_or_none("decode_2*.json")  # not decode_attention_*
     if path is not None:
         data = json.loads(path.read_text())
         lines += ["", f"### SmolLM2-135M decode step (TPOT) — `{path.name}`", "",
