@@ -532,6 +532,19 @@ class Family:
         return {}
 
 
+class LoomnbProvider(Provider):
+    """Base of every family's loomnb provider: ``self.m`` is the ``loomnb`` module (a failed
+    import skips the provider with its reason); a family writes ``bind``."""
+    name = "loomnb"
+
+    def setup(self, args, log):
+        try:
+            import loomnb
+        except Exception as e:  # noqa: BLE001
+            return f"import loomnb failed: {e!r}"
+        self.m = loomnb
+
+
 class VllmProvider(Provider):
     """vLLM's compiled ops from its .so, loaded without importing vllm; arguments are bound by
     the schema's names (printed at start). Ops already registered in-process (tests) are used

@@ -153,16 +153,8 @@ def _written(t, op):
     return lambda _: {k: t[k] for k in op.writes}
 
 
-class Loomnb(H.Provider):
+class Loomnb(H.LoomnbProvider):
     """loomnb's ops with preallocated outputs (as vLLM's)."""
-    name = "loomnb"
-
-    def setup(self, args, log):
-        try:
-            import loomnb
-        except Exception as e:  # noqa: BLE001
-            return f"import loomnb failed: {e!r}"
-        self.m = loomnb
 
     def bind(self, op, t, case):
         m, x = self.m, t["x"]

@@ -131,16 +131,8 @@ def _scale(case):
     return case["head_size"] ** -0.5
 
 
-class Loomnb(H.Provider):
+class Loomnb(H.LoomnbProvider):
     """``loomnb.paged_decode_attention`` with a preallocated ``out``."""
-    name = "loomnb"
-
-    def setup(self, args, log):
-        try:
-            import loomnb
-        except Exception as e:  # noqa: BLE001
-            return f"import loomnb failed: {e!r}"
-        self.m = loomnb
 
     def bind(self, op, t, case):
         self.m.ops.clear_launch_cache()  # no replay of a launch remembered under another config

@@ -114,16 +114,12 @@ def t_fused_static_quant(x, r, w, scale, eps):
 # ---------------------------------------------------------------- providers
 # bind(op, t, case) -> (call, collect): `call` is the bare callable that is timed; collect(ret)
 # maps its return value to {output role: tensor} (for in-place ops: the mutated inputs).
-class Loomnb(H.Provider):
+class Loomnb(H.LoomnbProvider):
     """loomnb's ops with preallocated outputs (as vLLM's), ``rounding`` as --rounding."""
-    name = "loomnb"
 
     def setup(self, args, log):
-        try:
-            import loomnb
-        except Exception as e:  # noqa: BLE001
-            return f"import loomnb failed: {e!r}"
-        self.m, self.rounding = loomnb, getattr(args, "rounding", "twice")
+        self.rounding = getattr(args, "rounding", "twice")
+        return super().setup(args, log)
 
     def bind(self, op, t, case):
         fn = getattr(self.m, op.name, None)

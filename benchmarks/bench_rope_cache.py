@@ -116,16 +116,8 @@ def _args(t):
 
 
 # ---------------------------------------------------------------- providers
-class Loomnb(H.Provider):
+class Loomnb(H.LoomnbProvider):
     """loomnb.rotary_embedding_and_cache: one launch (fma='vllm')."""
-    name = "loomnb"
-
-    def setup(self, args, log):
-        try:
-            import loomnb
-        except Exception as e:  # noqa: BLE001
-            return f"import loomnb failed: {e!r}"
-        self.m = loomnb
 
     def bind(self, op, t, case):
         return (partial(self.m.rotary_embedding_and_cache, t["positions"], t["query"], t["key"],

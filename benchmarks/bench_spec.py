@@ -190,16 +190,8 @@ def _rows_args(t, case):
 
 
 # ---------------------------------------------------------------- providers
-class Loomnb(H.Provider):
+class Loomnb(H.LoomnbProvider):
     """loomnb's ops with preallocated outputs."""
-    name = "loomnb"
-
-    def setup(self, args, log):
-        try:
-            import loomnb
-        except Exception as e:  # noqa: BLE001
-            return f"import loomnb failed: {e!r}"
-        self.m = loomnb
 
     def bind(self, op, t, case):
         if op.extra["fused"]:

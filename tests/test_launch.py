@@ -75,3 +75,23 @@ def test_replay_allocates_outputs_again_and_points_the_launch_at_them(monkeypatc
     assert L.replay(("other",)) is None and L.launch_cache_info()["misses"] >= 1
     assert L.fill(got, None, "given") == (got[0], "given")
     L.clear_launch_cache()
+
+
+def test_replay_runs_every_launch_of_a_two_launch_call(monkeypatch):
+    """An op of two launches (a split pass and its merge) replays both, in order, and a buffer
+    it allocated is patched into every launch that uses it."""
+    monkeypatch.setattr(L, "_rt", (lambda: 0, lambda dev: 5, False))
+    L.clear_launch_cache()
+    ws_t = torch.empty(16)
+    ws = ad.Arr(ws_t, "torch", "f32", "float32", (16,), (1,), ws_t.data_ptr(), 0,
+                alloc=lambda: torch.empty(16))
+    first, second = _FakePrepared(), _FakePrepared()
+    order = []
+    for name, fake in (("first", first), ("second", second)):
+        real = fake.driver_call
+        fake.driver_call = lambda stream, params, extra, real=real, name=name: (order.append(name), real(stream, params, extra))[1]
+    L._remember_chain(("two",), [(first, [L.array(ws)]), (second, [L.f32(1.0), L.array(ws)])])
+    got = L.replay(("two",))
+    assert order == ["first", "second"]
+    assert first.calls[-1][1] == {4: got[0].data_ptr()} and second.calls[-1][1] == {5: got[0].data_ptr()}
+    L.clear_launch_cache()

@@ -281,15 +281,8 @@ def replay(k):
     if multi_gpu and get_device() != hit.device:
         return None
     stream = get_stream(hit.device)
-    p = hit.prepared
     if hit.allocs is None:
-        err, = p.driver_call(stream, p.params, 0)
-        if err is not CUDA_SUCCESS:
-            p.failed(err, stream)
-        for q in hit.rest:
-            err, = q.driver_call(stream, q.params, 0)
-            if err is not CUDA_SUCCESS:
-                q.failed(err, stream)
+        _run(hit, stream)
         return ()
     outs = tuple(alloc() for alloc, _ in hit.allocs)
     with hit.lock:
@@ -297,14 +290,16 @@ def replay(k):
             base = t.data_ptr()
             for q, slot, offset in slots:
                 q.set_slot(slot, base + offset)
-        err, = p.driver_call(stream, p.params, 0)
-        if err is not CUDA_SUCCESS:
-            p.failed(err, stream)
-        for q in hit.rest:
-            err, = q.driver_call(stream, q.params, 0)
-            if err is not CUDA_SUCCESS:
-                q.failed(err, stream)
+        _run(hit, stream)
     return outs
+
+
+def _run(hit, stream):
+    """The remembered call's launches, in order, on ``stream``."""
+    for q in (hit.prepared, *hit.rest):
+        err, = q.driver_call(stream, q.params, 0)
+        if err is not CUDA_SUCCESS:
+            q.failed(err, stream)
 
 
 def fill(outs, *given):
