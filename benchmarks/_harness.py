@@ -776,3 +776,31 @@ def _fake_timing(family, prov, case, pass_i) -> dict:
             "eager_us": us + 9.0, "host_us": 9.0, "eager_n": 100, "timer": "fake",
             "GBps": case["bytes"] / (us * 1e-6) / 1e9,
             "exact": {k: ex for k in family.ops[case["op"]].writes}, "exact_min": ex}
+
+
+# ---------------------------------------------------------------- for the benchmark tests
+_MOCK_LIBS: dict = {}
+
+
+def register_mock_ops(ns: str, schemas: dict, impls: dict, dispatch: str = "CPU") -> None:
+    """Register ``impls[name]`` under ``ns::name`` with ``schemas[name]`` (once per namespace):
+    the benchmark tests' stand-ins for vLLM's compiled ops, so binding by schema names,
+    exactness and the sweep run on a CPU."""
+    if ns in _MOCK_LIBS:
+        return
+    lib = torch.library.Library(ns, "FRAGMENT")
+    for name, schema in schemas.items():
+        lib.define(name + schema)
+        lib.impl(name, impls[name], dispatch)
+    _MOCK_LIBS[ns] = lib
+
+
+def ready_providers(family: Family, argv=("--quick",), names=None):
+    """(args, {name: provider set up}) for a family's pytest-benchmark GPU cases (``names``:
+    a subset of its providers)."""
+    args = parse_args(family, list(argv))
+    log = RunLog()
+    provs = {n: make_provider(family, n) for n in (names or family.providers)}
+    for p in provs.values():
+        p.skip = p.setup(args, log)
+    return args, provs

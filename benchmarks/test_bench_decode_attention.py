@@ -165,12 +165,7 @@ SHAPES = [("32/8/128", 8, 4096), ("32/8/128", 32, 32), ("9/3/64", 32, 4096), ("9
 
 @pytest.fixture(scope="module")
 def gpu_env():
-    args = B.parse_args(["--quick"])
-    log = H.RunLog()
-    provs = {n: H.make_provider(B.FAMILY, n) for n in B.PROVIDERS}
-    for p in provs.values():
-        p.skip = p.setup(args, log)
-    return args, provs
+    return H.ready_providers(B.FAMILY)
 
 
 @pytest.mark.gpu

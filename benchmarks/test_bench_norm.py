@@ -41,7 +41,6 @@ VLLM_SCHEMAS = {  # vLLM 0.24 csrc/torch_bindings (stable ABI), namespace _C
     "Tensor weight, Tensor scale, float epsilon) -> ()",
 }
 MOCK_NS = "loomnb_mockvllm"  # not "_C": a real vLLM library may be loaded in this process too
-_LIBS = {}
 
 
 def _mock_impls() -> dict:
@@ -71,14 +70,7 @@ def _mock_impls() -> dict:
 
 def register_mock_vllm(ns: str = MOCK_NS, schemas: dict = VLLM_SCHEMAS) -> None:
     """Registers the torch composites on CPU under vLLM's op names and schemas."""
-    if ns in _LIBS:
-        return
-    lib = torch.library.Library(ns, "FRAGMENT")
-    impls = _mock_impls()
-    for name, schema in schemas.items():
-        lib.define(name + schema)
-        lib.impl(name, impls[name], "CPU")
-    _LIBS[ns] = lib
+    H.register_mock_ops(ns, schemas, _mock_impls())
 
 
 # ---------------------------------------------------------------- CPU tests
@@ -202,12 +194,7 @@ def test_dry_run_and_summary(tmp_path):
 # ---------------------------------------------------------------- GPU benchmark entry points
 @pytest.fixture(scope="module")
 def gpu_env():
-    args = B.parse_args(["--quick"])
-    log = H.RunLog()
-    provs = {n: H.make_provider(B.FAMILY, n) for n in B.PROVIDERS}
-    for p in provs.values():
-        p.skip = p.setup(args, log)
-    return args, provs
+    return H.ready_providers(B.FAMILY)
 
 
 @pytest.mark.gpu

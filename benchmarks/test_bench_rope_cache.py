@@ -29,13 +29,10 @@ SCHEMAS = {  # vLLM 0.24 (stable ABI) schemas, in two namespaces
     "value_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()",
 }
 ROPE_NS, CACHE_NS = "loomnb_mock_rope", "loomnb_mock_cache_ops"
-_LIBS = {}
 
 
 def register_mock_vllm():
     """vLLM's two ops on the CPU, implemented with the benchmark's torch composite."""
-    if _LIBS:
-        return
 
     def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox,
                          rope_dim_offset=0, inverse=False):
@@ -61,10 +58,7 @@ def register_mock_vllm():
 
     for ns, name, fn in ((ROPE_NS, "rotary_embedding", rotary_embedding),
                          (CACHE_NS, "reshape_and_cache_flash", reshape_and_cache_flash)):
-        lib = torch.library.Library(ns, "FRAGMENT")
-        lib.define(name + SCHEMAS[name])
-        lib.impl(name, fn, "CPU")
-        _LIBS[ns] = lib
+        H.register_mock_ops(ns, {name: SCHEMAS[name]}, {name: fn})
 
 
 def test_bytes_model():

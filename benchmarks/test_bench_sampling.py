@@ -107,12 +107,7 @@ def test_cpu_smoke_run_end_to_end(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def gpu_env():
-    args = B.parse_args(["--quick"])
-    log = H.RunLog()
-    provs = {n: H.make_provider(B.FAMILY, n) for n in B.PROVIDERS}
-    for p in provs.values():
-        p.skip = p.setup(args, log)
-    return args, provs
+    return H.ready_providers(B.FAMILY)
 
 
 @pytest.mark.gpu
