@@ -804,3 +804,15 @@ def ready_providers(family: Family, argv=("--quick",), names=None):
     for p in provs.values():
         p.skip = p.setup(args, log)
     return args, provs
+
+
+def benchmark_graph(benchmark, call, nbytes: int, *, rounds: int = 20, warmup_rounds: int = 2) -> None:
+    """A pytest-benchmark GPU case: back-to-back calls captured in one CUDA graph (as many as
+    ``time_graph`` picks), pytest-benchmark timing whole replays + a sync; ``extra_info``
+    carries the per-call graph time from CUDA events, the calls per replay and the GB/s."""
+    res = time_graph(call, target_ms=1.0, repeats=10)
+    benchmark.extra_info.update(graph_us_per_call=res["us"], calls_per_replay=res["n"],
+                                bytes=nbytes, GBps=nbytes / (res["us"] * 1e-6) / 1e9)
+    g = _capture([call], res["n"])
+    benchmark.pedantic(lambda: (g.replay(), torch.cuda.synchronize()), rounds=rounds,
+                       warmup_rounds=warmup_rounds, iterations=1)

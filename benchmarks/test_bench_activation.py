@@ -223,13 +223,4 @@ def test_gpu(benchmark, gpu_env, op, provider, num_tokens):
         call, _ = prov.bind(o, t, {"op": op})
     except H.NotAvailable as e:
         pytest.skip(str(e))
-    res = H.time_graph(call, target_ms=1.0, repeats=10)
-    nbytes = B.op_bytes(o, num_tokens, d)
-    benchmark.extra_info.update(graph_us_per_call=res["us"], calls_per_replay=res["n"],
-                                bytes=nbytes, GBps=nbytes / (res["us"] * 1e-6) / 1e9)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(res["n"]):
-            call()
-    benchmark.pedantic(lambda: (g.replay(), torch.cuda.synchronize()), rounds=20,
-                       warmup_rounds=2, iterations=1)
+    H.benchmark_graph(benchmark, call, B.op_bytes(o, num_tokens, d), rounds=20, warmup_rounds=2)

@@ -181,12 +181,4 @@ def test_gpu(benchmark, gpu_env, provider, shape):
         pytest.skip(reason)
     t = B.make_inputs(case, "cuda", 0)
     call, _ = prov.bind(B.OP, t, case)
-    res = H.time_graph(call, target_ms=1.0, repeats=10)
-    benchmark.extra_info.update(graph_us_per_call=res["us"], calls_per_replay=res["n"],
-                                bytes=case["bytes"], GBps=case["bytes"] / (res["us"] * 1e-6) / 1e9)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(res["n"]):
-            call()
-    benchmark.pedantic(lambda: (g.replay(), torch.cuda.synchronize()), rounds=10,
-                       warmup_rounds=1, iterations=1)
+    H.benchmark_graph(benchmark, call, case["bytes"], rounds=10, warmup_rounds=1)
