@@ -6,11 +6,16 @@ A backend has ``name``, ``loomnb_ops`` (the ops it runs through loomnb) and:
 * ``fused_add_rms_norm(x, residual, weight, eps) -> (x, residual)``, in place:
   ``residual <- r(x + residual)``, ``x <- rms_norm(residual)``;
 * ``rope_and_cache(positions, query, key, value, key_cache, value_cache, slot_mapping,
-  cos_sin_cache, head_size, is_neox)``: NeoX (or GPT-J) rotary embedding of ``query``/``key`` in place (views of the
-  fused QKV projection, ``[num_tokens, num_heads * head_size]`` with the QKV row stride) and
-  the rotated key and the value written to the paged cache at ``slot_mapping``;
-* ``decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale) -> out``,
-  one query token per sequence, ``[num_seqs, num_heads * head_size]``;
+  cos_sin_cache, head_size, is_neox, kv_cache_dtype="auto", k_scale=None, v_scale=None)``:
+  NeoX (or GPT-J) rotary embedding of ``query``/``key`` in place (views of the fused QKV
+  projection, ``[num_tokens, num_heads * head_size]`` with the QKV row stride) and the rotated
+  key and the value written to the paged cache at ``slot_mapping`` (slots < 0 write nothing
+  that is read: loomnb skips them, torch sends them to the scratch block), as bits
+  (``"auto"``) or as ``uint8`` E4M3 codes of ``x / scale`` (``"fp8"``; float32 ``[1]``
+  scales: ``loomnb.reshape_and_cache_flash``'s rule);
+* ``decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
+  kv_cache_dtype="auto", k_scale=None, v_scale=None) -> out``, one query token per sequence,
+  ``[num_seqs, num_heads * head_size]``; an FP8 cache is read as ``f32(code) * scale``;
 * ``silu_and_mul(x) -> y``: ``silu(x[..., :d]) * x[..., d:]``;
 * ``greedy(logits) -> (token_ids int64, logprob fp32, rank int64)``: argmax (lowest index on
   ties) and the token's log-softmax and rank (vLLM's V1 sampler).
@@ -37,12 +42,24 @@ LOOMNB_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding_and_cache",
 TORCH_OPS = ("embedding", "matmul (QKV, o_proj, gate_up, down, lm_head)", "prefill attention")
 
 
-def _write_cache(key, value, key_cache, value_cache, slot_mapping):
+def _write_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
+                 k_scale=None, v_scale=None):
     """vLLM's ``reshape_and_cache_flash`` in torch: rows to (slot // block_size, slot %
-    block_size) of strided caches. Static shapes, no host sync (CUDA-graph capturable), so
-    padding slots (-1) are not supported: the loop never pads (loomnb's op skips them)."""
+    block_size) of strided caches, cast to the cache dtype (``"auto"``) or as E4M3 codes
+    (``"fp8"``: :func:`loomnb.models.paged_cache.fp8_e4m3_codes`, the op's rule, so the bytes
+    equal loomnb's). Static shapes, no host sync (CUDA-graph capturable), hence no mask: a
+    padding slot (-1) wraps to the last block's last row, the scratch block that
+    ``PagedKVCache`` never hands out (loomnb's op skips the slot instead)."""
+    from .paged_cache import fp8_e4m3_codes
+
     block_size = key_cache.shape[1]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    if kv_cache_dtype == "fp8":
+        key_cache[blocks, offsets] = fp8_e4m3_codes(key, k_scale).view(key_cache.dtype)
+        value_cache[blocks, offsets] = fp8_e4m3_codes(value, v_scale).view(value_cache.dtype)
+        return
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8'; got {kv_cache_dtype!r}")
     key_cache[blocks, offsets] = key.to(key_cache.dtype)
     value_cache[blocks, offsets] = value.to(value_cache.dtype)
 
@@ -71,7 +88,8 @@ class TorchReferenceOps:
 
     @staticmethod
     def rope_and_cache(positions, query, key, value, key_cache, value_cache, slot_mapping,
-                       cos_sin_cache, head_size, is_neox=True):
+                       cos_sin_cache, head_size, is_neox=True, kv_cache_dtype="auto", k_scale=None,
+                       v_scale=None):
         """The rotation as vLLM's CUDA op computes it: ``x' = fma(x, c, -r32(y*s))``,
         ``y' = fma(x, s, r32(y*c))`` in fp32 (emulated in float64: the float32 products are
         exact there), rounded once to the query dtype, ``(x, y)`` the two halves (NeoX) or the
@@ -93,17 +111,18 @@ class TorchReferenceOps:
         num_kv_heads = key_cache.shape[2]
         _write_cache(key.view(num_tokens, num_kv_heads, head_size),
                      value.reshape(num_tokens, num_kv_heads, head_size), key_cache, value_cache,
-                     slot_mapping)
+                     slot_mapping, kv_cache_dtype, k_scale, v_scale)
 
     @staticmethod
-    def decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    def decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                         kv_cache_dtype="auto", k_scale=None, v_scale=None):
         """The decode attention's float64 value rounded once to the query dtype (what
         ``loomnb.oracle.paged_decode_attention`` computes; the kernel's fp32 online softmax
         lands within its tolerance of it)."""
         from .paged_cache import paged_attention
         positions = (seq_lens - 1).to(torch.long)
         return paged_attention(query, key_cache, value_cache, block_tables, seq_lens, positions,
-                               scale, acc_dtype=torch.float64)
+                               scale, acc_dtype=torch.float64, k_scale=k_scale, v_scale=v_scale)
 
     @staticmethod
     def silu_and_mul(x):
@@ -136,7 +155,8 @@ class TorchOps(TorchReferenceOps):
 
     @staticmethod
     def rope_and_cache(positions, query, key, value, key_cache, value_cache, slot_mapping,
-                       cos_sin_cache, head_size, is_neox=True):
+                       cos_sin_cache, head_size, is_neox=True, kv_cache_dtype="auto", k_scale=None,
+                       v_scale=None):
         num_tokens = positions.shape[0]
         rot = cos_sin_cache.shape[1]
         cos, sin = cos_sin_cache.index_select(0, positions).float().chunk(2, dim=-1)
@@ -150,13 +170,15 @@ class TorchOps(TorchReferenceOps):
         num_kv_heads = key_cache.shape[2]
         _write_cache(key.view(num_tokens, num_kv_heads, head_size),
                      value.reshape(num_tokens, num_kv_heads, head_size), key_cache, value_cache,
-                     slot_mapping)
+                     slot_mapping, kv_cache_dtype, k_scale, v_scale)
 
     @staticmethod
-    def decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    def decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                         kv_cache_dtype="auto", k_scale=None, v_scale=None):
         from .paged_cache import paged_attention
         return paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
-                               (seq_lens - 1).to(torch.long), scale)
+                               (seq_lens - 1).to(torch.long), scale, k_scale=k_scale,
+                               v_scale=v_scale)
 
     @staticmethod
     def silu_and_mul(x):
@@ -173,6 +195,10 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
 
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
+
+
+def _scale_numpy(t):
+    return None if t is None else _to_numpy(t)
 
 
 def _to_torch(a: np.ndarray) -> torch.Tensor:
@@ -202,16 +228,22 @@ class LoomnbCpuOps:
         return x, residual
 
     def rope_and_cache(self, positions, query, key, value, key_cache, value_cache, slot_mapping,
-                       cos_sin_cache, head_size, is_neox=True):
+                       cos_sin_cache, head_size, is_neox=True, kv_cache_dtype="auto", k_scale=None,
+                       v_scale=None):
         self.o.rotary_embedding_and_cache(
             _to_numpy(positions), _to_numpy(query), _to_numpy(key), _to_numpy(value),
             _to_numpy(key_cache), _to_numpy(value_cache), _to_numpy(slot_mapping), head_size,
-            _to_numpy(cos_sin_cache), is_neox)
+            _to_numpy(cos_sin_cache), is_neox, kv_cache_dtype, _scale_numpy(k_scale),
+            _scale_numpy(v_scale))
 
-    def decode_attention(self, query, key_cache, value_cache, block_tables, seq_lens, scale):
+    def decode_attention(self, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                         kv_cache_dtype="auto", k_scale=None, v_scale=None):
         out = self.o.paged_decode_attention(_to_numpy(query), _to_numpy(key_cache),
                                             _to_numpy(value_cache), _to_numpy(block_tables),
-                                            _to_numpy(seq_lens), scale)
+                                            _to_numpy(seq_lens), scale,
+                                            kv_cache_dtype=kv_cache_dtype,
+                                            k_scale=_scale_numpy(k_scale),
+                                            v_scale=_scale_numpy(v_scale))
         return _to_torch(out).reshape(query.shape[0], -1)
 
     def silu_and_mul(self, x):
@@ -241,19 +273,24 @@ class LoomnbCudaOps:
         return x, residual
 
     def rope_and_cache(self, positions, query, key, value, key_cache, value_cache, slot_mapping,
-                       cos_sin_cache, head_size, is_neox=True):
+                       cos_sin_cache, head_size, is_neox=True, kv_cache_dtype="auto", k_scale=None,
+                       v_scale=None):
         if cos_sin_cache.dtype == torch.float32:  # the fused op takes a cache of the query dtype
             self.m.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
             self.m.reshape_and_cache_flash(key.view(key.shape[0], -1, head_size),
                                            value.view(value.shape[0], -1, head_size), key_cache,
-                                           value_cache, slot_mapping, "auto", None, None)
+                                           value_cache, slot_mapping, kv_cache_dtype, k_scale,
+                                           v_scale)
             return
         self.m.rotary_embedding_and_cache(positions, query, key, value, key_cache, value_cache,
-                                          slot_mapping, head_size, cos_sin_cache, is_neox)
+                                          slot_mapping, head_size, cos_sin_cache, is_neox,
+                                          kv_cache_dtype, k_scale, v_scale)
 
-    def decode_attention(self, query, key_cache, value_cache, block_tables, seq_lens, scale):
+    def decode_attention(self, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                         kv_cache_dtype="auto", k_scale=None, v_scale=None):
         out = self.m.paged_decode_attention(query, key_cache, value_cache, block_tables,
-                                            seq_lens, scale)
+                                            seq_lens, scale, kv_cache_dtype=kv_cache_dtype,
+                                            k_scale=k_scale, v_scale=v_scale)
         return out.view(query.shape[0], -1)
 
     def silu_and_mul(self, x):

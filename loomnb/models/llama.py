@@ -143,12 +143,18 @@ class LlamaModel:
 
         Per layer: the norm (fused with the residual add), one QKV GEMM, RoPE on q and k in
         place plus the KV-cache write (one backend op), attention, o_proj, the fused add + norm,
-        one gate/up GEMM, SiLU-and-mul, down_proj."""
+        one gate/up GEMM, SiLU-and-mul, down_proj.
+
+        ``kv_cache`` (a :class:`PagedKVCache`) is mutated at ``slot_mapping``; an FP8 cache
+        that is not yet ``calibrated`` gets its per-layer scales from this pass's rotated keys
+        and values first (:meth:`PagedKVCache.calibrate`; the key rotated by torch for the
+        amax only) and is marked calibrated at the end."""
         cfg = self.config
         eps = cfg.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed_tokens)
         residual = None
         num_tokens = input_ids.shape[0]
+        kv_dtype, calibrate = kv_cache.kv_cache_dtype, not kv_cache.calibrated
         for i, layer in enumerate(self.layers):
             if residual is None:
                 residual = hidden
@@ -159,14 +165,19 @@ class LlamaModel:
             qkv = F.linear(hidden, layer.qkv_proj)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             kc, vc = kv_cache.key_caches[i], kv_cache.value_caches[i]
+            if calibrate:  # vLLM's calculate_kv_scales: amax of the rotated key, of the value
+                kv_cache.calibrate(i, self.rotary(positions, q, k)[1], v)
+            ks, vs = kv_cache.k_scales[i], kv_cache.v_scales[i]
             ops.rope_and_cache(positions, q, k, v, kc, vc, slot_mapping,
                                self.rotary.cos_sin_cache, cfg.head_size,
-                               self.rotary.is_neox_style)
+                               self.rotary.is_neox_style, kv_dtype, ks, vs)
             q = q.view(num_tokens, cfg.num_heads, cfg.head_size)
             if decode:
-                attn = ops.decode_attention(q, kc, vc, block_tables, seq_lens, self.scale)
+                attn = ops.decode_attention(q, kc, vc, block_tables, seq_lens, self.scale,
+                                            kv_dtype, ks, vs)
             else:
-                attn = paged_attention(q, kc, vc, block_tables, seq_lens, positions, self.scale)
+                attn = paged_attention(q, kc, vc, block_tables, seq_lens, positions, self.scale,
+                                       k_scale=ks, v_scale=vs)
             hidden = F.linear(attn, layer.o_proj)
             hidden, residual = ops.fused_add_rms_norm(hidden, residual,
                                                       layer.post_attention_layernorm, eps)
@@ -175,14 +186,16 @@ class LlamaModel:
             if on_layer is not None:
                 on_layer(i + 1)
         hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, eps)
+        kv_cache.calibrated = True
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head)
 
-    def new_runner(self, backend=None, num_blocks=256, block_size=BLOCK_SIZE) -> ModelRunner:
+    def new_runner(self, backend=None, num_blocks=256, block_size=BLOCK_SIZE,
+                   kv_cache_dtype="auto") -> ModelRunner:
         ops = backend if hasattr(backend, "rms_norm") else get_backend(backend, self.device)
-        return ModelRunner(self, ops, num_blocks, block_size)
+        return ModelRunner(self, ops, num_blocks, block_size, kv_cache_dtype)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], backend=None) -> torch.Tensor:
@@ -191,9 +204,12 @@ class LlamaModel:
         return self.compute_logits(runner.prefill(token_ids)).float()
 
     def generate(self, prompts, max_new_tokens=32, backend=None, chat=False,
-                 num_top_logits=0, forced_token_ids=None, progress=None) -> GenerationResult:
+                 num_top_logits=0, forced_token_ids=None, progress=None, cuda_graphs=False,
+                 kv_cache_dtype="auto") -> GenerationResult:
         """Greedy-decode ``max_new_tokens`` tokens for each prompt (a str or a list of str);
-        see :meth:`ModelRunner.generate` for the last three arguments. ``chat``: wrap each
+        see :meth:`ModelRunner.generate` for ``num_top_logits``, ``forced_token_ids``,
+        ``progress`` and ``cuda_graphs``; ``kv_cache_dtype``: ``"auto"`` (the model dtype) or
+        ``"fp8"`` (E4M3 codes, :class:`PagedKVCache`). ``chat``: wrap each
         prompt in the chat template, where only the template adds control tokens
         (``GGUFTokenizer.encode_chat``); otherwise the prompt is encoded verbatim, control-token
         text included."""
@@ -201,9 +217,9 @@ class LlamaModel:
         tok = self.tokenizer
         prompt_ids = [tok.encode_chat(p) if chat else tok.encode(p) for p in prompts]
         num_blocks = sum(cdiv(len(p) + max_new_tokens, BLOCK_SIZE) for p in prompt_ids)
-        runner = self.new_runner(backend, num_blocks=num_blocks)
+        runner = self.new_runner(backend, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype)
         result = runner.generate(prompt_ids, max_new_tokens, num_top_logits, forced_token_ids,
-                                 progress)
+                                 progress, cuda_graphs=cuda_graphs)
         result.prompts = prompts
         result.texts = [tok.decode(_cut_at_stop(ids, tok.stop_token_ids))
                         for ids in result.token_ids]
@@ -229,6 +245,16 @@ class GenerationResult:
     top_logits: tuple[torch.Tensor, torch.Tensor] | None = None
     token_logprobs: list[list[float]] | None = None  # each generated token's fp32 logprob
     token_ranks: list[list[int]] | None = None  # and its rank (vLLM's V1 sampler)
+    cuda_graphs: bool = False  # decoded through DecodeGraphs (graphed on CUDA, padded eager else)
+    decode_batch: int = 0  # rows of each decode step: the bucket with cuda_graphs, else num_seqs
+    graph_capture_time_s: float = 0.0  # warm-up + capture, not inside decode_time_s
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token of the decode: ``decode_time_s / (max_new_tokens - 1)``."""
+        steps = self.num_decode_tokens // max(len(self.token_ids), 1)
+        return self.decode_time_s / max(steps, 1)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -291,11 +317,13 @@ def _sync(device: torch.device) -> None:
 class ModelRunner:
     """A model bound to an ops backend and a paged KV cache; runs prefill and decode steps."""
 
-    def __init__(self, model: LlamaModel, ops, num_blocks: int, block_size: int = BLOCK_SIZE):
+    def __init__(self, model: LlamaModel, ops, num_blocks: int, block_size: int = BLOCK_SIZE,
+                 kv_cache_dtype: str = "auto"):
         self.model, self.ops, self.block_size = model, ops, block_size
         cfg = model.config
         self.kv_cache = PagedKVCache(cfg.num_hidden_layers, num_blocks, block_size,
-                                     cfg.num_kv_heads, cfg.head_size, model.dtype, model.device)
+                                     cfg.num_kv_heads, cfg.head_size, model.dtype, model.device,
+                                     kv_cache_dtype)
 
     def prefill(self, token_ids: list[int], block_table: torch.Tensor | None = None,
                 on_layer=None):
@@ -331,8 +359,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def generate(self, prompt_token_ids: list[list[int]], max_new_tokens: int,
-                 num_top_logits: int = 0, forced_token_ids=None, progress=None
-                 ) -> GenerationResult:
+                 num_top_logits: int = 0, forced_token_ids=None, progress=None,
+                 cuda_graphs: bool = False) -> GenerationResult:
         """Prefill each prompt, then greedy-decode the batch. ``num_top_logits`` > 0: also
         record each step's top logits (to tell near-ties from real mismatches).
         ``forced_token_ids`` ``[num_seqs][max_new_tokens]``: teacher forcing, feed these
@@ -340,7 +368,14 @@ class ModelRunner:
         ``progress(stage, done, total)``, if given, is called as work is issued: ``("prefill",
         done, num_seqs * num_hidden_layers)`` after each layer of each prompt, then ``("decode",
         step, max_new_tokens - 1)`` after each decode step. It changes no result (on a GPU it
-        counts launches, which run ahead of the device)."""
+        counts launches, which run ahead of the device).
+
+        ``cuda_graphs``: decode through :class:`~loomnb.models.graphs.DecodeGraphs`: the batch
+        padded to its bucket (1, 2, 4, ... 64 rows) and, on CUDA, each step a replay of the
+        bucket's CUDA graph (captured after the prefill, its time in
+        ``graph_capture_time_s``, not in ``decode_time_s``); on the CPU the same padded step
+        runs eagerly. Prefill stays eager. Off: the unpadded eager loop. Mutates the KV cache
+        (its blocks are freed at the end)."""
         if max_new_tokens < 1 or any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("need max_new_tokens >= 1 and non-empty prompts")
         dev, bs = self.model.device, self.block_size
@@ -379,25 +414,48 @@ class ModelRunner:
             first.append(sample(self.model.compute_logits(hidden[-1:])))
         _sync(dev)
         t1 = time.perf_counter()
+        prefill_s = t1 - t0
 
         forced = (None if forced_token_ids is None else
                   torch.tensor(forced_token_ids, dtype=torch.long, device=dev))
         positions = torch.tensor(prompt_lens, dtype=torch.long, device=dev)
-        seq_idx = torch.arange(num_seqs, device=dev)
         out = [torch.cat(first)]
+        graphs, capture_s, decode_batch = None, 0.0, num_seqs
+        if cuda_graphs and max_new_tokens > 1:
+            from .graphs import DecodeGraphs
+
+            graphs = DecodeGraphs(self, max_blocks, max_new_tokens - 1,
+                                  num_top_logits=num_top_logits)
+            decode_batch = graphs.load(out[0], positions, block_tables,
+                                       None if forced is None else forced[:, :-1])
+            graphs.capture()
+            capture_s = graphs.capture_time_s
+            _sync(dev)
+            t1 = time.perf_counter()
+        seq_idx = torch.arange(num_seqs, device=dev)
         for step in range(1, max_new_tokens):
-            input_ids = out[-1] if forced is None else forced[:, step - 1]
-            slot_mapping = compute_slot_mapping(block_tables, seq_idx, positions, bs)
-            seq_lens = (positions + 1).to(torch.int32)
-            out.append(sample(self.decode_logits(input_ids, positions, slot_mapping,
-                                                 block_tables, seq_lens)))
-            positions = positions + 1
+            if graphs is not None:
+                graphs.step()
+            else:
+                input_ids = out[-1] if forced is None else forced[:, step - 1]
+                slot_mapping = compute_slot_mapping(block_tables, seq_idx, positions, bs)
+                seq_lens = (positions + 1).to(torch.int32)
+                out.append(sample(self.decode_logits(input_ids, positions, slot_mapping,
+                                                     block_tables, seq_lens)))
+                positions = positions + 1
             if progress is not None:
                 progress("decode", step, max_new_tokens - 1)
         _sync(dev)
         t2 = time.perf_counter()
+        first_lp = tuple(torch.cat(t) for t in zip(*logprobs[:num_seqs]))
+        if graphs is not None:  # the decode's outputs are the graphs' per-step buffers
+            g = graphs.outputs(max_new_tokens - 1)
+            out += list(g["tokens"].unbind(1))
+            logprobs[num_seqs:] = list(zip(g["logprobs"].unbind(1), g["ranks"].unbind(1)))
+            if num_top_logits:
+                tops[num_seqs:] = list(zip(g["top_ids"].unbind(1), g["top_vals"].unbind(1)))
         token_ids = torch.stack(out, dim=1).cpu().tolist()
-        steps = [tuple(torch.cat(t) for t in zip(*logprobs[:num_seqs]))] + logprobs[num_seqs:]
+        steps = [first_lp] + logprobs[num_seqs:]
         token_logprobs = torch.stack([lp for lp, _ in steps], dim=1).cpu().tolist()
         token_ranks = torch.stack([rk for _, rk in steps], dim=1).cpu().tolist()
         top_logits = None
@@ -411,13 +469,17 @@ class ModelRunner:
             token_ids=token_ids,
             backend=self.ops.name,
             loomnb_ops=tuple(self.ops.loomnb_ops),
-            prefill_time_s=t1 - t0,
+            prefill_time_s=prefill_s,
             decode_time_s=t2 - t1,
             num_prefill_tokens=sum(prompt_lens),
             num_decode_tokens=num_seqs * (max_new_tokens - 1),
             top_logits=top_logits,
             token_logprobs=token_logprobs,
             token_ranks=token_ranks,
+            cuda_graphs=graphs is not None,
+            decode_batch=decode_batch,
+            graph_capture_time_s=capture_s,
+            kv_cache_dtype=self.kv_cache.kv_cache_dtype,
         )
 
 
