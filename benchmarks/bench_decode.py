@@ -1,14 +1,30 @@
-"""Time per output token (TPOT) of the SmolLM2 decode loop: loomnb vs the pure-torch loop,
-eager and CUDA-graphed, at batch 1 and 8; each backend's graphed tokens must equal its eager
-ones, and the two backends' tokens are compared (they may part at a near-tie of bf16 logits:
-the torch loop's fp32 attention sums in another order).
+"""Time per output token (TPOT) of the SmolLM2 decode loop: loomnb vs the pure-torch loop vs
+HF transformers, eager and CUDA-graphed, over batch sizes and context lengths.
 
-The graphed step captures the whole decode step in one CUDA graph, including the bookkeeping
-(slot_mapping from the block tables, positions += 1, the token history), so a replay is one
-launch per output token and the host does nothing else. Eager runs the same step from Python.
-Prefill is excluded. Run on a GPU:
+Each sequence's context is filled by prefilling a prompt of ``--contexts`` tokens (a reference
+prompt's tokens repeated and cut to the length; sequence ``i`` uses prompt ``i % 8``), then
+``--steps`` greedy tokens are decoded. Providers:
 
-    python3 benchmarks/bench_decode.py --steps 64 --out benchmarks/results
+* ``loomnb-cuda``, ``torch`` (the fp32 torch loop of ``loomnb.models.backends.TorchOps``): the
+  library's decode step (:class:`loomnb.models.graphs.DecodeGraphs`: the batch padded to its
+  bucket, bookkeeping inside the step), ``eager`` from Python and ``graph`` as one CUDA graph
+  replay per token; each backend's graphed tokens must equal its eager ones (same bucket, same
+  shapes); the kernels of one eager step are counted with ``torch.profiler``
+  (:func:`loomnb.models.profiling.step_kernel_counts`);
+* ``hf``: transformers' ``LlamaForCausalLM.generate`` (eager, dynamic cache), built from the same
+  GGUF weights (loomnb's reader, HF names); TPOT = (time of ``steps + 1`` new tokens - time of
+  1) / ``steps``; ``hf-compile``: the same with ``cache_implementation="static"`` and
+  ``torch.compile(mode="reduce-overhead")`` -- an error is recorded in the JSON, not raised.
+
+The provider list runs forward, then reversed (both orders recorded: a provider's number
+should not depend on what ran before it). Prefill is excluded from TPOT. ``--profile`` adds,
+per loomnb/torch case, the kernels of a graph replay (or of eager steps, when the profiler
+sees no kernels inside graphs): name, calls per step, µs per step, share of the step's device
+time. ``--plot JSON`` draws TPOT against batch size (PNG beside the JSON). On a GPU:
+
+    python3 benchmarks/bench_decode.py --out benchmarks/results --batches 1,8,32,64 \\
+        --contexts 128,2048 --providers loomnb-cuda,torch,hf --profile
+    python3 benchmarks/bench_decode.py --plot benchmarks/results/decode_<time>_<gpu>.json
 """
 
 from __future__ import annotations
@@ -20,106 +36,329 @@ import time
 
 import torch
 
+from loomnb.models.graphs import DecodeGraphs
 from loomnb.models.llama import BLOCK_SIZE, load_model
-from loomnb.models.paged_cache import compute_slot_mapping
+from loomnb.models.paged_cache import cdiv
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was",
            "The three laws of thermodynamics are", "In 1969, the Apollo 11 mission",
            "A good recipe for pancakes:", "Photosynthesis converts", "The quick brown fox"]
+PROVIDERS = ("loomnb-cuda", "torch", "hf", "hf-compile")
+LOOP_PROVIDERS = ("loomnb-cuda", "torch", "torch-reference", "loomnb-cpu")  # DecodeGraphs
+MODES = ("eager", "graph")
 
 
-def prefill(runner, model, prompts, steps):
-    """Prefill each prompt into its own blocks; return the static decode state."""
+def parse_ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=32, help="decode steps timed per case")
+    p.add_argument("--warmup", type=int, default=2, help="untimed eager steps before timing")
+    p.add_argument("--batches", type=parse_ints, default=[1, 8, 32, 64])
+    p.add_argument("--contexts", type=parse_ints, default=[128, 2048],
+                   help="prefilled tokens per sequence before the decode")
+    p.add_argument("--providers", default="loomnb-cuda,torch,hf",
+                   help=f"comma-separated, from {PROVIDERS} (and loomnb-cpu, torch-reference)")
+    p.add_argument("--modes", default="eager,graph", help="loop providers' modes")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    p.add_argument("--orders", choices=("both", "forward"), default="both")
+    p.add_argument("--profile", action="store_true",
+                   help="per-kernel table of each loop case's decode step")
+    p.add_argument("--quick", action="store_true",
+                   help="batches 1,8, context 128, 16 steps, one order")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dry-run", action="store_true", help="print the case plan and exit")
+    p.add_argument("--plot", default=None, metavar="JSON", help="plot a result file and exit")
+    p.add_argument("--out", default="benchmarks/results")
+    return p
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.batches, args.contexts, args.steps, args.orders = [1, 8], [128], 16, "forward"
+    args.providers = [x for x in args.providers.split(",") if x]
+    args.modes = [x for x in args.modes.split(",") if x]
+    for name in args.providers:
+        if name not in PROVIDERS + LOOP_PROVIDERS:
+            raise SystemExit(f"bench_decode: unknown provider {name!r}; choose from "
+                             f"{PROVIDERS + LOOP_PROVIDERS}")
+    for m in args.modes:
+        if m not in MODES:
+            raise SystemExit(f"bench_decode: unknown mode {m!r}; choose from {MODES}")
+    return args
+
+
+def plan(providers, batches, contexts, modes, orders="both") -> list[dict]:
+    """The cases in run order: each provider list order (forward, then reversed), provider,
+    context, batch; loop providers with their ``modes``, HF providers with their one mode."""
+    lists = [("forward", list(providers))]
+    if orders == "both" and len(providers) > 1:
+        lists.append(("reversed", list(reversed(providers))))
+    cases = []
+    for order, names in lists:
+        for name in names:
+            for context in contexts:
+                for batch in batches:
+                    ms = list(modes) if name in LOOP_PROVIDERS else [
+                        "compile" if name == "hf-compile" else "eager"]
+                    cases.append({"order": order, "provider": name, "context": context,
+                                  "batch": batch, "modes": ms})
+    return cases
+
+
+def context_token_ids(prompt_ids: list[list[int]], batch: int, context: int) -> list[list[int]]:
+    """Sequence ``i``: ``prompt_ids[i % len]`` repeated and cut to ``context`` tokens."""
+    out = []
+    for i in range(batch):
+        p = prompt_ids[i % len(prompt_ids)]
+        out.append((p * cdiv(context, len(p)))[:context])
+    return out
+
+
+def _sync(dev):
+    if torch.device(dev).type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def run_loop(model, backend, token_ids, steps, modes=MODES, warmup=2, kv_cache_dtype="auto",
+             profile=False, count_kernels=True) -> dict:
+    """Prefill ``token_ids`` (one list per sequence) on a fresh runner, then per mode time
+    ``steps`` decode steps of :class:`DecodeGraphs` from the same prefilled state (a load
+    resets it; the steps rewrite the same slots). Returns ``{mode: {"tpot_s", "tokens"}}``
+    plus ``"counts"`` (kernels of one eager step) and ``"profile"`` (kernel table)."""
+    from loomnb.models.profiling import kernel_table, step_kernel_counts
+
     dev = model.device
-    token_ids = [model.tokenizer.encode(p) for p in prompts]
-    max_blocks = -(-(max(map(len, token_ids)) + steps + 1) // BLOCK_SIZE)
-    block_tables = torch.tensor([runner.kv_cache.allocator.allocate(max_blocks) for _ in token_ids],
-                                dtype=torch.int32, device=dev)
-    last = [runner.prefill(ids, block_tables[i:i + 1])[-1:] for i, ids in enumerate(token_ids)]
-    ids = model.compute_logits(torch.cat(last)).float().argmax(-1)
-    positions = torch.tensor([len(t) for t in token_ids], device=dev)
-    return ids, positions, block_tables
-
-
-def run(model, backend, batch, steps, graphed):
-    runner = model.new_runner(backend, num_blocks=1024)
+    batch, context = len(token_ids), max(map(len, token_ids))
+    max_blocks = cdiv(context + steps + warmup + 1, BLOCK_SIZE)
+    runner = model.new_runner(backend, num_blocks=batch * max_blocks,
+                              kv_cache_dtype=kv_cache_dtype)
+    out = {}
     with torch.inference_mode():
-        ids, positions, block_tables = prefill(runner, model, PROMPTS[:batch], steps)
-        seq_idx = torch.arange(batch, device=model.device)
-        history = torch.zeros(batch, steps, dtype=torch.long, device=model.device)
+        block_tables = torch.tensor(
+            [runner.kv_cache.allocator.allocate(max_blocks) for _ in token_ids],
+            dtype=torch.int32, device=dev)
+        last = [runner.prefill(ids, block_tables[i:i + 1])[-1:] for i, ids in enumerate(token_ids)]
+        ids = runner.ops.greedy(model.compute_logits(torch.cat(last)))[0].to(torch.long)
+        positions = torch.tensor([len(t) for t in token_ids], dtype=torch.long, device=dev)
+        graphs = {}
+        for mode in modes:
+            g = graphs[mode] = DecodeGraphs(runner, max_blocks, max(steps, warmup),
+                                            use_graphs=mode == "graph")
+            g.load(ids, positions, block_tables)
+            if mode == "graph":
+                g.capture()
+            else:
+                for _ in range(warmup):
+                    g.step()
+                g.load(ids, positions, block_tables)
+            _sync(dev)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                g.step()
+            _sync(dev)
+            tpot = (time.perf_counter() - t0) / steps
+            out[mode] = {"tpot_s": tpot, "tokens": g.outputs(steps)["tokens"].cpu().tolist(),
+                         "bucket": g.bucket, "capture_s": g.capture_time_s}
+        if profile and dev.type == "cuda":
+            n = min(steps, 4)
+            table, what = [], None
+            for mode in ("graph", "eager"):
+                if mode not in graphs:
+                    continue
+                g = graphs[mode]
+                g.load(ids, positions, block_tables)
+                table = kernel_table(lambda g=g: [g.step() for _ in range(n)], n, dev)
+                if table:
+                    what = f"{mode} ({'graph replays' if mode == 'graph' else 'eager steps'})"
+                    break
+            out["profile"] = {"source": what or "no kernels seen", "kernels": table}
+        if count_kernels:
+            out["counts"] = step_kernel_counts(runner, batch, context)
+    return out
 
-        def step():
-            slots = compute_slot_mapping(block_tables, seq_idx, positions, BLOCK_SIZE)
-            nxt = runner.decode_step(ids, positions, slots, block_tables, (positions + 1).to(torch.int32))
-            history.copy_(torch.roll(history, -1, dims=1))
-            history[:, -1] = nxt
-            ids.copy_(nxt)
-            positions.add_(1)
 
-        fn = step
-        if graphed:
-            state = [ids.clone(), positions.clone(), history.clone()]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                step()  # warm-up (compiles loomnb's kernels) outside the capture
-            torch.cuda.current_stream().wait_stream(side)
-            for t, s in zip((ids, positions, history), state):
-                t.copy_(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            for t, s in zip((ids, positions, history), state):  # capture ran nothing; reset anyway
-                t.copy_(s)
-            fn = graph.replay
-        else:
-            state = [ids.clone(), positions.clone(), history.clone()]
-            step()  # warm-up
-            for t, s in zip((ids, positions, history), state):
-                t.copy_(s)
-        torch.cuda.synchronize()
+def hf_model(device, dtype=torch.bfloat16):
+    """transformers' ``LlamaForCausalLM`` with loomnb's GGUF weights (HF names, unpermuted),
+    so both sides decode the same bf16 model."""
+    import transformers
+
+    from loomnb.models.gguf_loader import hf_weights, load_checkpoint
+
+    ckpt = load_checkpoint(None)
+    c = ckpt.config
+    cfg = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads, head_dim=c.head_size, rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings, torch_dtype=dtype)
+    m = transformers.LlamaForCausalLM(cfg)
+    sd = {k: torch.from_numpy(v) for k, v in hf_weights(ckpt, unpermute=True).items()}
+    missing, unexpected = m.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight" or not c.tie_word_embeddings]
+    if missing or unexpected:
+        raise RuntimeError(f"HF state dict: missing {missing}, unexpected {unexpected}")
+    if c.tie_word_embeddings:
+        m.tie_weights()
+    return m.to(device=device, dtype=dtype).eval()
+
+
+def run_hf(hf, token_ids, steps, compile=False) -> dict:
+    """HF ``generate`` greedy: TPOT from the time of ``steps + 1`` new tokens minus that of 1
+    (the prefill); ``compile``: static cache + ``torch.compile`` (errors returned)."""
+    dev = next(hf.parameters()).device
+    x = torch.tensor(token_ids, device=dev)
+    kw = dict(do_sample=False, attention_mask=torch.ones_like(x), pad_token_id=0)
+    if compile:
+        kw["cache_implementation"] = "static"
+        if not getattr(hf, "_loomnb_compiled", False):
+            hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+            hf._loomnb_compiled = True
+
+    def timed(n):
+        _sync(dev)
         t0 = time.perf_counter()
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-        tpot = (time.perf_counter() - t0) / steps
-    return tpot, history.cpu().tolist()
+        with torch.inference_mode():
+            r = hf.generate(x, max_new_tokens=n, min_new_tokens=n, **kw)
+        _sync(dev)
+        return time.perf_counter() - t0, r
+
+    try:
+        timed(steps + 1)  # warm-up (compiles)
+        t1, _ = timed(1)
+        tn, r = timed(steps + 1)
+    except Exception as e:  # noqa: BLE001 (recorded in the JSON: the peer's failure is data)
+        return {"error": f"{type(e).__name__}: {e}"[:500]}
+    return {"tpot_s": (tn - t1) / steps, "tokens": r[:, x.shape[1] + 1:].cpu().tolist()}
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--batches", default="1,8")
-    p.add_argument("--out", default="benchmarks/results")
-    args = p.parse_args(argv)
-    model = load_model(device="cuda")
-    rows = []
-    for batch in map(int, args.batches.split(",")):
-        tokens = {}
-        for backend in ("loomnb-cuda", "torch"):
-            for graphed in (False, True):
-                tpot, toks = run(model, backend, batch, args.steps, graphed)
-                tokens[(backend, graphed)] = toks
-                rows.append({"batch": batch, "backend": backend, "graphed": graphed,
-                             "tpot_ms": tpot * 1e3, "tokens_per_s": batch / tpot})
-                print(f"batch {batch} {backend:16s} {'graph' if graphed else 'eager'}: "
-                      f"TPOT {tpot * 1e3:.3f} ms ({batch / tpot:.0f} tok/s)")
-        same = len({json.dumps(t) for t in tokens.values()}) == 1
-        graph_eq = all(tokens[(b, True)] == tokens[(b, False)] for b in ("loomnb-cuda", "torch"))
-        print(f"batch {batch}: graphed == eager for each backend: {graph_eq}; "
-              f"identical across the four runs: {same}")
-        for r in rows:
-            if r["batch"] == batch:
-                r["tokens_identical"] = same
-                r["graph_equals_eager"] = graph_eq
+    args = parse_args(argv)
+    if args.plot:
+        print("wrote", plot(args.plot))
+        return 0
+    cases = plan(args.providers, args.batches, args.contexts, args.modes, args.orders)
+    if args.dry_run:
+        for c in cases:
+            print(f"{c['order']:8s} {c['provider']:12s} context {c['context']:5d} batch "
+                  f"{c['batch']:3d} {','.join(c['modes'])}")
+        print(f"{len(cases)} cases")
+        return 0
+    model = load_model(device=args.device)
+    dev = model.device
+    prompt_ids = [model.tokenizer.encode(p) for p in PROMPTS]
+    hf, hf_error, rows = None, None, []
+    loomnb_tokens = {}
+    for case in cases:
+        name, batch, context = case["provider"], case["batch"], case["context"]
+        token_ids = context_token_ids(prompt_ids, batch, context)
+        base = {"order": case["order"], "provider": name, "batch": batch, "context": context}
+        if name in LOOP_PROVIDERS:
+            res = run_loop(model, name, token_ids, args.steps, case["modes"], args.warmup,
+                           args.kv_cache_dtype, args.profile)
+            counts = res.get("counts", {})
+            eq = (res["graph"]["tokens"] == res["eager"]["tokens"]
+                  if {"graph", "eager"} <= set(res) else None)
+            for mode in case["modes"]:
+                r = res[mode]
+                loomnb_tokens.setdefault((name, batch, context), r["tokens"])
+                row = dict(base, mode=mode, tpot_ms=r["tpot_s"] * 1e3,
+                           tokens_per_s=batch / r["tpot_s"], bucket=r["bucket"],
+                           capture_s=r["capture_s"], graph_equals_eager=eq,
+                           kernels_per_step=counts.get("per_step"),
+                           kernels_per_layer=counts.get("per_layer"),
+                           kernels_outside_layers=counts.get("outside_layers"),
+                           kernel_count_kind=counts.get("what"),
+                           kv_cache_dtype=args.kv_cache_dtype)
+                if mode == case["modes"][-1] and "profile" in res:
+                    row["profile"] = res["profile"]
+                rows.append(row)
+                print(f"{case['order']:8s} {name:12s} ctx {context:5d} batch {batch:3d} "
+                      f"{mode:5s}: TPOT {r['tpot_s'] * 1e3:8.3f} ms ({batch / r['tpot_s']:8.0f} "
+                      f"tok/s); {counts.get('per_step')} kernels/step, "
+                      f"{counts.get('per_layer')}/layer; graph == eager: {eq}", flush=True)
+            if "profile" in res:
+                print_profile(res["profile"])
+            continue
+        if hf is None and hf_error is None:
+            try:
+                hf = hf_model(dev)
+            except Exception as e:  # noqa: BLE001 (no transformers: recorded, not fatal)
+                hf_error = f"{type(e).__name__}: {e}"[:500]
+        res = {"error": hf_error} if hf is None else run_hf(hf, token_ids, args.steps,
+                                                            compile=name == "hf-compile")
+        mode = case["modes"][0]
+        row = dict(base, mode=mode, kv_cache_dtype="auto (HF dynamic/static cache)")
+        if "error" in res:
+            row["error"] = res["error"]
+            print(f"{case['order']:8s} {name:12s} ctx {context:5d} batch {batch:3d}: "
+                  f"error {res['error']}", flush=True)
+        else:
+            ref = loomnb_tokens.get(("loomnb-cuda", batch, context))
+            row.update(tpot_ms=res["tpot_s"] * 1e3, tokens_per_s=batch / res["tpot_s"],
+                       tokens_equal_loomnb=(None if ref is None else
+                                            [a[:len(b)] == b for a, b in
+                                             zip(ref, res["tokens"])].count(True)))
+            print(f"{case['order']:8s} {name:12s} ctx {context:5d} batch {batch:3d} {mode}: "
+                  f"TPOT {res['tpot_s'] * 1e3:8.3f} ms ({batch / res['tpot_s']:8.0f} tok/s)",
+                  flush=True)
+        rows.append(row)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"decode_{time.strftime('%Y%m%d-%H%M%S')}_"
-                        f"{torch.cuda.get_device_name().replace(' ', '-')}.json")
+    gpu = (torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu").replace(" ", "-")
+    path = os.path.join(args.out, f"decode_{time.strftime('%Y%m%d-%H%M%S')}_{gpu}.json")
     with open(path, "w") as f:
         json.dump({"steps": args.steps, "model": "SmolLM2-135M-Instruct Q4_1 (bf16 weights)",
-                   "torch": torch.__version__, "rows": rows}, f, indent=1)
+                   "torch": torch.__version__, "batches": args.batches, "contexts": args.contexts,
+                   "providers": args.providers, "kv_cache_dtype": args.kv_cache_dtype,
+                   "rows": rows}, f, indent=1)
     print("wrote", path)
-    return 0 if all(r["graph_equals_eager"] for r in rows) else 1
+    bad = [r for r in rows if r.get("graph_equals_eager") is False]
+    return 1 if bad else 0
+
+
+def print_profile(prof: dict, top: int = 15) -> None:
+    print(f"  kernels per step ({prof['source']}):")
+    print("  | kernel | calls/step | µs/step | share |\n  |---|---|---|---|")
+    for r in prof["kernels"][:top]:
+        print(f"  | {r['name'][:70]} | {r['calls_per_step']:.1f} | {r['us_per_step']:.1f} | "
+              f"{r['share'] * 100:.1f}% |")
+
+
+def plot(path: str) -> str:
+    """TPOT against batch size, one line per (provider, mode, context), orders averaged;
+    writes ``<path without .json>.png`` and returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as f:
+        data = json.load(f)
+    series = {}
+    for r in data["rows"]:
+        if "tpot_ms" not in r:
+            continue
+        key = (r["provider"], r["mode"], r["context"])
+        series.setdefault(key, {}).setdefault(r["batch"], []).append(r["tpot_ms"])
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for (prov, mode, ctx), pts in sorted(series.items()):
+        xs = sorted(pts)
+        ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], marker="o",
+                linestyle="-" if mode == "graph" else "--", label=f"{prov} {mode} ctx {ctx}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("TPOT (ms)")
+    ax.set_title(f"SmolLM2-135M decode TPOT ({data.get('steps')} steps)")
+    ax.legend(fontsize=7)
+    ax.grid(True, alpha=0.3)
+    out = os.path.splitext(path)[0] + ".png"
+    fig.savefig(out, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return out
 
 
 if __name__ == "__main__":
