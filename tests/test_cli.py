@@ -334,7 +334,8 @@ def test_help_names_the_model_and_gives_every_default(capsys):
     options = [a for a in gen._actions if a.option_strings and a.dest != "help"]
     assert {a.dest for a in options} >= {"prompt", "max_new_tokens", "device", "dtype", "gguf",
                                          "backend", "chat", "check_reference",
-                                         "allow_near_ties", "progress"}
+                                         "allow_near_ties", "progress", "cuda_graphs",
+                                         "kv_cache_dtype", "batch_sizes"}
     for action in options:
         assert action.help and "default" in action.help, f"{action.option_strings}: {action.help}"
     rc, out, _ = run(capsys, "generate", "--help")
@@ -470,6 +471,41 @@ def test_smollm2_prompt_longer_than_context(capsys, no_load):
     rc, out, err = run(capsys, "generate", "--prompt", prompt)
     assert_usage_error(rc, out, err, "prompt 1 is 8200 tokens, longer than the model's context "
                                      "of 8192 tokens")
+
+
+@pytest.mark.parametrize("value, fragment", [("0", "must be in 1..64"), ("1,65", "got 65"),
+                                             ("1,x", "comma-separated whole numbers")])
+def test_batch_sizes_must_be_1_to_64(capsys, no_load, value, fragment):
+    rc, out, err = run(capsys, "generate", "--prompt", "Hi", "--batch-sizes", value)
+    assert_usage_error(rc, out, err, "--batch-sizes", fragment)
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--kv-cache-dtype", "fp8"], "--speculative runs with --kv-cache-dtype auto only"),
+    (["--batch-sizes", "1,2"], "--batch-sizes measures plain greedy decoding")])
+def test_speculative_excludes_fp8_and_batch_sizes(capsys, no_load, extra, fragment):
+    rc, out, err = run(capsys, "generate", "--prompt", "Hi", "--speculative", "ngram", *extra)
+    assert_usage_error(rc, out, err, fragment)
+
+
+def test_throughput_fp8_and_padded_steps_on_a_tiny_gguf(capsys, tiny_gguf):
+    """--batch-sizes with --kv-cache-dtype fp8 and --cuda-graphs on the CPU (the padded steps
+    run eagerly): one table row per batch size, the ops-backend call counts named as such, and
+    --check-reference still decodes the torch reference (same FP8 cache) to the same tokens."""
+    rc, out, err = run(capsys, "generate", "--gguf", tiny_gguf, "--prompt", "the tea",
+                       "--prompt", "a cat", "--max-new-tokens", "4", "--device", "cpu",
+                       "--kv-cache-dtype", "fp8", "--cuda-graphs", "--batch-sizes", "1,3",
+                       "--check-reference", "--no-progress")
+    assert rc == 0, out + err
+    assert "[padded eager steps, 2 rows; KV cache fp8]" in out
+    assert ("throughput: backend loomnb-cpu on cpu, padded eager steps, KV cache fp8, 4 new "
+            "tokens per sequence") in out
+    rows = [line for line in out.splitlines() if line.startswith(("| 1 |", "| 3 |"))]
+    assert len(rows) == 2 and rows[1].startswith("| 3 | 4 |"), out
+    # per step: 2 layers x 5 backend calls + the final norm + sampling
+    assert all(r.endswith("| 12 | 5 |") for r in rows), rows
+    assert "ops-backend calls (torch ops not counted)" in out
+    assert "check-reference: OK: greedy tokens identical for 2/2 prompts" in out
 
 
 def test_speculative_ngram_equals_plain_greedy(capsys, tiny_gguf):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from loomnb.models import graphs as graphs_mod
 from loomnb.models.backends import TorchReferenceOps
 from loomnb.models.gguf_loader import LlamaConfig, default_gguf_path
 from loomnb.models.llama import LlamaModel, compare_greedy, load_model
@@ -227,6 +228,168 @@ def test_batched_decode_matches_single_sequence_fp32():
         assert alone.token_ids[0] == tokens
 
 
+def test_bucket_size():
+    from loomnb.models.graphs import DECODE_BUCKETS, bucket_size
+
+    assert DECODE_BUCKETS == (1, 2, 4, 8, 16, 32, 64)
+    got = {n: bucket_size(n) for n in (1, 2, 3, 4, 5, 8, 9, 17, 33, 63, 64)}
+    assert got == {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 8: 8, 9: 16, 17: 32, 33: 64, 63: 64, 64: 64}
+    assert bucket_size(3, (8, 2)) == 8
+    for bad, msg in ((0, "num_seqs must be >= 1"), (65, "exceed the largest decode bucket 64")):
+        with pytest.raises(ValueError, match=msg):
+            bucket_size(bad)
+
+
+@pytest.mark.parametrize("backend", ["loomnb-cpu", "torch", "torch-reference"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_padded_batch_gives_the_unpadded_tokens(backend, kv_cache_dtype):
+    """cuda_graphs=True on the CPU: the DecodeGraphs step eagerly, 3 sequences padded to bucket
+    4 (scratch-block rows, slot -1); tokens, logprobs and top logits equal the unpadded loop's,
+    teacher forcing included, and the padding writes no allocated block."""
+    model = tiny_llama()
+    prompts = [[1, 2, 3, 4, 5], list(range(40, 75)), [9, 8]]
+    plain = model.new_runner(backend, 16, kv_cache_dtype=kv_cache_dtype).generate(
+        prompts, 6, num_top_logits=3)
+    runner = model.new_runner(backend, 16, kv_cache_dtype=kv_cache_dtype)
+    padded = runner.generate(prompts, 6, num_top_logits=3, cuda_graphs=True)
+    assert padded.cuda_graphs and padded.decode_batch == 4 and plain.decode_batch == 3
+    assert padded.graph_capture_time_s == 0.0 and padded.kv_cache_dtype == kv_cache_dtype
+    assert padded.token_ids == plain.token_ids
+    assert padded.token_logprobs == plain.token_logprobs
+    assert padded.token_ranks == plain.token_ranks
+    assert all(torch.equal(a, b) for a, b in zip(padded.top_logits, plain.top_logits))
+    forced = [[7] * 6, [8] * 6, [9] * 6]
+    f_plain = model.new_runner(backend, 16).generate(prompts, 6, forced_token_ids=forced)
+    f_pad = model.new_runner(backend, 16).generate(prompts, 6, forced_token_ids=forced,
+                                                   cuda_graphs=True)
+    assert f_pad.token_ids == f_plain.token_ids
+    # blocks never handed out stay zero; only the scratch block's last row took padding
+    used = sum(-(-(len(p) + 5) // BLOCK_SIZE) for p in prompts)
+    kc = runner.kv_cache.key_caches[0]
+    assert not kc[used:runner.kv_cache.scratch_block].any()
+
+
+def test_decode_graphs_load_checks_and_outputs():
+    from loomnb.models.graphs import DecodeGraphs
+
+    model = tiny_llama(num_layers=1)
+    runner = model.new_runner("torch-reference", 8)
+    with pytest.raises(ValueError, match="needs the model on a CUDA device"):
+        DecodeGraphs(runner, 2, 4, use_graphs=True)
+    g = DecodeGraphs(runner, 2, 4)
+    assert not g.use_graphs
+    with pytest.raises(RuntimeError, match="load"):
+        g.step()
+    bt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_blocks=1"):
+        DecodeGraphs(runner, 1, 4).load(torch.tensor([1, 2]), torch.tensor([3, 4]), bt)
+    with torch.inference_mode():
+        assert g.load(torch.tensor([1, 2]), torch.tensor([3, 4]), bt) == 2
+        g.step()
+        g.step()
+    out = g.outputs(2)
+    assert out["tokens"].shape == (2, 2) and out["logprobs"].dtype == torch.float32
+    assert g._current().positions.tolist() == [5, 6]
+
+
+def test_fp8_cache_bytes_equal_between_loomnb_cpu_and_torch():
+    """The same k/v through rope_and_cache with kv_cache_dtype="fp8": the loomnb oracle's E4M3
+    codes equal the torch backends' (float32 division, saturation at 448, RNE), bit for bit;
+    a padding slot writes nothing the cache's real blocks hold."""
+    from loomnb.models.backends import LoomnbCpuOps, TorchOps
+    from loomnb.models.paged_cache import PagedKVCache, fp8_e4m3_codes
+
+    gen = torch.Generator().manual_seed(5)
+    T, Hq, Hk, D = 7, 9, 3, 64
+    model = tiny_llama(num_layers=1)
+    cos_sin = model.rotary.cos_sin_cache
+    qkv = (torch.randn(T, (Hq + 2 * Hk) * D, generator=gen) * 3).bfloat16()
+    qkv[0, Hq * D] = 3000.0  # saturates at 448 for a scale of 1
+    k_scale = torch.tensor([0.05]), torch.tensor([0.02])
+    positions = torch.arange(10, 10 + T)
+    slots = torch.tensor([0, 5, 16, 17, 31, -1, 3])
+    caches = {}
+    for ops in (LoomnbCpuOps(), TorchReferenceOps(), TorchOps()):
+        cache = PagedKVCache(1, 2, BLOCK_SIZE, Hk, D, torch.bfloat16, "cpu", "fp8")
+        x = qkv.clone()
+        q, k, v = x.split([Hq * D, Hk * D, Hk * D], dim=-1)
+        ops.rope_and_cache(positions, q, k, v, cache.key_caches[0], cache.value_caches[0], slots,
+                           cos_sin, D, True, "fp8", *k_scale)
+        caches[ops.name] = (cache.kv_caches[0][:2].clone(), k.clone(), v.clone())
+    ref_kv, ref_k, ref_v = caches["loomnb-cpu"]
+    assert ref_kv.dtype == torch.uint8 and ref_kv.any()
+    assert torch.equal(caches["torch-reference"][0], ref_kv)  # same rotation: same bytes
+    # the torch loop rotates in fp32 without the FMA form, so compare its codes of its own key
+    kc = caches["torch"][0][:, 0]
+    want = fp8_e4m3_codes(caches["torch"][1].view(T, Hk, D), k_scale[0])
+    assert torch.equal(kc[slots[2] // BLOCK_SIZE, slots[2] % BLOCK_SIZE], want[2])
+    assert fp8_e4m3_codes(torch.tensor([3000.0, -1e9, 0.0, -0.0]), torch.tensor([1.0])).tolist() \
+        == [0x7E, 0xFE, 0x00, 0x80]
+
+
+def test_fp8_cache_attention_reads_dequantised_values():
+    """paged_attention on an FP8 cache equals attention on the dequantised bf16 cache."""
+    from loomnb.models.paged_cache import dequantize, fp8_e4m3_codes
+
+    gen = torch.Generator().manual_seed(6)
+    keys = torch.randn(4, BLOCK_SIZE, 2, 8, generator=gen)
+    vals = torch.randn(4, BLOCK_SIZE, 2, 8, generator=gen)
+    ks, vs = torch.tensor([0.01]), torch.tensor([0.02])
+    kc, vc = fp8_e4m3_codes(keys, ks), fp8_e4m3_codes(vals, vs)
+    bt = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+    seq_lens = torch.tensor([20, 9], dtype=torch.int32)
+    q = torch.randn(2, 6, 8, generator=gen)
+    got = paged_attention(q, kc, vc, bt, seq_lens, seq_lens.long() - 1, 0.3, k_scale=ks,
+                          v_scale=vs)
+    want = paged_attention(q, dequantize(kc, ks), dequantize(vc, vs), bt, seq_lens,
+                           seq_lens.long() - 1, 0.3)
+    assert torch.equal(got, want)
+    assert (dequantize(kc, ks) - keys).abs().max() < 0.07 * keys.abs().max()
+    with pytest.raises(ValueError, match="needs its k_scale"):
+        dequantize(kc, None)
+
+
+def test_fp8_scales_are_set_by_the_first_forward_only():
+    model = tiny_llama()
+    runner = model.new_runner("torch-reference", 8, kv_cache_dtype="fp8")
+    cache = runner.kv_cache
+    assert not cache.calibrated and cache.cache_dtype == torch.uint8
+    assert cache.bytes_per_token == 2 * 2 * 3 * 64
+    with torch.inference_mode():
+        runner.prefill([1, 2, 3, 4, 5, 6])
+        first = [s.item() for s in cache.k_scales + cache.v_scales]
+        assert cache.calibrated and all(x > 0 and x != 1.0 for x in first)
+        runner.prefill(list(range(100, 140)))
+    assert [s.item() for s in cache.k_scales + cache.v_scales] == first
+    assert model.new_runner("torch-reference", 8).kv_cache.k_scales == [None, None]
+
+
+@pytest.mark.gpu
+def test_decode_graphs_replay_equals_the_padded_eager_step(monkeypatch):
+    """On a GPU, loomnb-cuda and torch: the graphed decode (bucket 4 for 3 sequences) gives the
+    eager padded step's tokens exactly; FP8 too; and agrees with the unpadded loop up to
+    near-ties (the GEMMs see 4 rows instead of 3)."""
+    model = tiny_llama("cuda")
+    prompts = [[1, 2, 3, 4, 5], list(range(40, 75)), [9, 8]]
+    for backend in ("loomnb-cuda", "torch"):
+        for kv in ("auto", "fp8"):
+            g = model.new_runner(backend, 16, kv_cache_dtype=kv).generate(
+                prompts, 12, num_top_logits=5, cuda_graphs=True)
+            assert g.cuda_graphs and g.decode_batch == 4 and g.graph_capture_time_s > 0
+            with monkeypatch.context() as m:  # the same padded step, eager on the GPU
+                m.setattr(graphs_mod.DecodeGraphs, "capture", lambda self: None)
+                m.setattr(graphs_mod.DecodeGraphs, "step",
+                          lambda self: self._body(self._current()))
+                e = model.new_runner(backend, 16, kv_cache_dtype=kv).generate(
+                    prompts, 12, num_top_logits=5, cuda_graphs=True)
+            assert e.graph_capture_time_s == 0.0
+            assert g.token_ids == e.token_ids, (backend, kv)
+            plain = model.new_runner(backend, 16, kv_cache_dtype=kv).generate(
+                prompts, 12, num_top_logits=5)
+            verdicts = compare_greedy(g, plain)
+            assert all(v in ("identical", "near-tie") for v, _ in verdicts), (backend, kv, verdicts)
+
+
 @pytest.mark.gpu
 def test_loomnb_cuda_backend_and_cuda_graph_decode_step():
     """On a GPU: loomnb-cuda in the loop agrees with torch-reference, and a CUDA graph of
@@ -335,6 +498,23 @@ def test_greedy_tokens_loomnb_cpu_equal_torch_reference(model, loomnb_cpu_result
 def test_capital_of_france(loomnb_cpu_result):
     text = loomnb_cpu_result.texts[0]
     assert "Paris" in text.split(".")[0], text  # in the first sentence of the continuation
+
+
+@pytest.mark.model
+@needs_gguf
+def test_fp8_kv_cache_on_smollm2(model):
+    """SmolLM2 with the FP8 E4M3 cache, loomnb-cpu: runs end to end, the easy prompts' first
+    tokens agree with the bf16 cache's (not all tokens: FP8 moves logits), and the torch
+    reference with the same FP8 cache gives loomnb-cpu's tokens exactly."""
+    prompts, n = PROMPTS[:4], 6
+    bf16 = model.generate(prompts, n, backend="loomnb-cpu")
+    fp8 = model.generate(prompts, n, backend="loomnb-cpu", kv_cache_dtype="fp8",
+                         cuda_graphs=True)
+    assert fp8.kv_cache_dtype == "fp8" and fp8.decode_batch == 4
+    assert "Paris" in fp8.texts[0], fp8.texts[0]
+    assert sum(a[0] == b[0] for a, b in zip(bf16.token_ids, fp8.token_ids)) >= 3
+    ref = model.generate(prompts, n, backend="torch-reference", kv_cache_dtype="fp8")
+    assert ref.token_ids == fp8.token_ids, compare_greedy(fp8, ref)
 
 
 @pytest.mark.model

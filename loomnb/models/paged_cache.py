@@ -133,11 +133,12 @@ def fp8_e4m3_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def dequantize(cache_rows: torch.Tensor, scale, dtype=torch.float32) -> torch.Tensor:
     """Cache elements as ``dtype``: E4M3 codes (``uint8``/``float8_e4m3fn``) are read as
-    ``f32(code) * scale`` (then cast), others are cast."""
+    ``code * scale`` computed in ``dtype`` (float32: the kernel's ``f32(code) * k_scale``;
+    float64: exact, as ``loomnb.oracle``'s decode), others are cast."""
     if cache_rows.dtype in (torch.uint8, torch.float8_e4m3fn):
         if scale is None:
             raise ValueError("an FP8 cache needs its k_scale/v_scale")
-        return (cache_rows.view(torch.float8_e4m3fn).float() * scale).to(dtype)
+        return cache_rows.view(torch.float8_e4m3fn).to(dtype) * scale.to(dtype)
     return cache_rows.to(dtype)
 
 
@@ -174,8 +175,8 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, posit
     num_kv_heads)``. Scores, softmax and the weighted sum are in ``acc_dtype`` (fp32; float64
     for the decode reference); the output is rounded to the query dtype. An FP8 cache
     (``uint8``/``float8_e4m3fn`` E4M3 codes) is read as ``f32(code) * k_scale`` (``v_scale``
-    for values; float32 ``[1]``), as ``loomnb.paged_decode_attention`` reads it. Static shapes,
-    no host sync.
+    for values; float32 ``[1]``), the product in ``acc_dtype`` (:func:`dequantize`). Static
+    shapes, no host sync.
     """
     num_tokens, num_heads, head_size = query.shape
     num_seqs, max_blocks = block_tables.shape
