@@ -299,9 +299,20 @@ def extra_sections(results_dir: Path) -> list[str]:
                   "step (bookkeeping included) in one CUDA graph.", "",
                   "| batch | backend | mode | TPOT ms | tokens/s | tokens identical (all 4 runs) |",
                   "|---:|---|---|---:|---:|---|"]
+        old = [r for r in data["rows"] if "backend" in r]  # files before the provider sweep
         lines += [f"| {r['batch']} | {r['backend']} | {'graph' if r['graphed'] else 'eager'} | "
                   f"{r['tpot_ms']:.3f} | {r['tokens_per_s']:.0f} | {r['tokens_identical']} |"
-                  for r in data["rows"]]
+                  for r in old]
+        new = [r for r in data["rows"] if "provider" in r]
+        if new:
+            lines[-len(old) - 2:] = [
+                "| order | provider | context | batch | mode | TPOT ms | tokens/s | kernels/step "
+                "| kernels/layer | graph == eager |", "|---|---|---:|---:|---|---:|---:|---:|---:|---|"]
+            lines += [f"| {r['order']} | {r['provider']} | {r['context']} | {r['batch']} | "
+                      f"{r['mode']} | " + (f"{r['tpot_ms']:.3f} | {r['tokens_per_s']:.0f}"
+                                          if "tpot_ms" in r else f"error: {r.get('error')} | ")
+                      + f" | {r.get('kernels_per_step')} | {r.get('kernels_per_layer')} | "
+                      f"{r.get('graph_equals_eager')} |" for r in new]
     return lines
 
 

@@ -8,6 +8,7 @@ prefills each prompt and greedy-decodes the batch; the norms go through an ops b
 
 from .backends import BACKENDS, get_backend
 from .gguf_loader import LlamaConfig, default_gguf_path, load_checkpoint
+from .graphs import DECODE_BUCKETS, DecodeGraphs, bucket_size
 from .llama import (
     GenerationResult,
     LlamaModel,
@@ -21,12 +22,15 @@ from .tokenizer import GGUFTokenizer
 __all__ = [
     "BACKENDS",
     "BLOCK_SIZE",
+    "DECODE_BUCKETS",
+    "DecodeGraphs",
     "GGUFTokenizer",
     "GenerationResult",
     "LlamaConfig",
     "LlamaModel",
     "ModelRunner",
     "PagedKVCache",
+    "bucket_size",
     "compare_greedy",
     "compute_slot_mapping",
     "default_gguf_path",

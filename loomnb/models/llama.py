@@ -13,6 +13,11 @@ The loop (:meth:`ModelRunner.generate`):
    (``num_seqs`` tokens, fixed ``max_blocks``). Inputs are built on the device from the
    previous step's tokens, nothing syncs with the host, so the step can be captured in a CUDA
    graph. Tokens go to the host once, at the end; texts are cut at the first stop token.
+   With ``cuda_graphs=True`` the batch is padded to a bucket and each step is a replay of the
+   bucket's CUDA graph (:mod:`loomnb.models.graphs`; on the CPU the padded step runs eagerly).
+
+The KV cache holds the model dtype or, with ``kv_cache_dtype="fp8"``, E4M3 codes with
+per-layer scales set by the first forward pass (:mod:`loomnb.models.paged_cache`).
 
 The model is vLLM's ``LlamaForCausalLM``: per layer ``input_layernorm`` -> ``qkv_proj`` ->
 NeoX-style rotary -> paged GQA attention -> ``o_proj`` -> ``post_attention_layernorm`` (fused
