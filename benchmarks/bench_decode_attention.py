@@ -32,8 +32,9 @@ Providers (each skips with a logged reason when it cannot run):
 * ``torch_compile`` (``--torch-compile``: one compilation per shape) and ``flex``
   (``--flex``: ``flex_attention`` over the physical cache with a mask that follows the block
   table, compiled): off by default;
-* ``loomnb_t256``, ``loomnb_t64``, ``loomnb_w1``, ``loomnb_w4``, ``loomnb_m512`` (``--tune``):
-  loomnb at other CTA sizes and split rules, to tune ``loomnb.ops.attention``'s constants.
+* ``loomnb_t256``, ``loomnb_t64``, ``loomnb_w1``, ``loomnb_w4``, ``loomnb_m512``, ``loomnb_tt2``,
+  ``loomnb_tt8``, ``loomnb_tt8_t64`` (``--tune``): loomnb at other CTA sizes, split rules and
+  tokens per tile, to tune ``loomnb.ops.attention``'s constants.
 
 Bytes model: the visible keys and values, read once (``num_seqs * context * num_kv_heads *
 head_size * 2 * element size``) -- what a decode step must move; the query, block table and
@@ -149,7 +150,7 @@ class LoomnbTuned(Loomnb):
     """loomnb with another launch configuration (``--tune``): ``threads`` per CTA, the split
     rule's CTAs per SM (``target``) and tokens per split (``min_tokens``); the module's values
     are set around each call (graph replays measure the configured launches)."""
-    name, threads, target, min_tokens = "loomnb_tuned", None, None, None
+    name, threads, target, min_tokens, tt, epl = "loomnb_tuned", None, None, None, None, None
 
     def setup(self, args, log):
         if not getattr(args, "tune", False):
@@ -163,7 +164,8 @@ class LoomnbTuned(Loomnb):
     def bind(self, op, t, case):
         call, collect = super().bind(op, t, case)
         A, cfg = self.A, {"DECODE_THREADS": self.threads, "SPLIT_TARGET_PER_SM": self.target,
-                          "MIN_SPLIT_TOKENS": self.min_tokens}
+                          "MIN_SPLIT_TOKENS": self.min_tokens, "TOKENS_PER_TILE": self.tt,
+                          "ELEMENTS_PER_LANE": self.epl}
         cfg = {k: v for k, v in cfg.items() if v is not None}
 
         def tuned():
@@ -184,7 +186,10 @@ def _tuned(name, **cfg):
 
 
 TUNED = [_tuned("t256", threads=256), _tuned("t64", threads=64), _tuned("w1", target=1),
-         _tuned("w4", target=4), _tuned("m512", min_tokens=512)]
+         _tuned("w4", target=4), _tuned("m512", min_tokens=512), _tuned("tt2", tt=2),
+         _tuned("tt8", tt=8), _tuned("tt8_t64", tt=8, threads=64), _tuned("w3", target=3),
+         _tuned("e16", epl=16, tt=2), _tuned("e16_tt4", epl=16, tt=4), _tuned("w3_t64", target=3, threads=64),
+         _tuned("w6_t64", target=6, threads=64)]
 
 
 class Torch(H.Provider):

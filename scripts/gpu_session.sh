@@ -6,6 +6,11 @@
 #                                   # families on GPU 0, half on GPU 1, side by side
 #   bash scripts/gpu_session.sh B   # the benchmarks: norm/activation/RoPE on GPU 1; attention,
 #                                   # sampling, speculative, eager overhead, decode TPOT on GPU 0
+#   bash scripts/gpu_session.sh E   # decode attention vs FA3/vLLM and the decode step (buckets,
+#                                   # HF, per-kernel profile) on GPU 0; their GPU tests, memcheck,
+#                                   # the FP8 KV quality report and generate --batch-sizes on GPU 1
+#   bash scripts/gpu_session.sh F   # part E's benchmarks again after a change, GPU tests, memcheck,
+#                                   # Nsight Compute sections of decode attention and SiLU-and-mul
 # Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
 # with the other GPU's process. Everything (logs, result JSON/CSV) goes into one archive
 # $OUT/session_<part>.tgz, and the summary lines are printed last.
@@ -43,7 +48,51 @@ bench() {  # bench GPU NAME LIMIT SCRIPT ARGS...: one benchmark on one GPU with 
   tail -6 "$R/bench_$name.log" >> "$R/bench_$gpu.log"
 }
 
-if [ "$part" = D ]; then  # what part C's time limit cut off, and the memcheck subsets that matched nothing
+if [ "$part" = F ]; then  # after part E: decode attention with up to 8 warps for small grids
+  ( bench 0 attention 200 benchmarks/bench_decode_attention.py --providers loomnb,fa3,vllm,torch --repeats 9 --target-ms 1
+    echo "=== decode $(date +%T)" >> "$R/bench_0.log"
+    CUDA_VISIBLE_DEVICES=0 timeout 330 python3 benchmarks/bench_decode.py --out "$R" --batches 1,8,32,64 \
+      --contexts 128,2048 --providers loomnb-cuda,torch,hf --steps 24 --profile > "$R/decode.log" 2>&1
+    echo "=== decode rc=$? $(date +%T)" >> "$R/bench_0.log"
+    grep -E "^(forward|reversed) +loomnb" "$R/decode.log" >> "$R/bench_0.log" ) &
+  first=$!
+  ( tests 1 f 300 tests/test_attention_gpu.py tests/test_attention_cases.py tests/test_model.py
+    memcheck 1 60 tests/test_attention_gpu.py "memcheck_small_shapes"
+    NCU="ncu --clock-control none --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis"
+    CUDA_VISIBLE_DEVICES=1 timeout 60 $NCU -k regex:^kernel python3 benchmarks/probe_profile.py attention --num-seqs 32 --context 16384 > "$R/ncu_attention.txt" 2>&1
+    CUDA_VISIBLE_DEVICES=1 timeout 60 $NCU -k regex:^kernel python3 benchmarks/probe_profile.py silu > "$R/ncu_silu.txt" 2>&1
+    CUDA_VISIBLE_DEVICES=1 timeout 60 $NCU -k regex:^kernel python3 benchmarks/probe_profile.py silu_group > "$R/ncu_silu_group.txt" 2>&1 ) &
+  second=$!
+  wait $first $second
+  grep -hE "passed|failed|rc=|ERROR SUMMARY" "$R"/pytest_*.log "$R"/memcheck_*.log | tail -20
+  grep -hE "^(FAILED|ERROR) |^E  " "$R"/pytest_*.log | head -30
+  grep -hE "Duration|DRAM Throughput|Compute \(SM\)|Issued Warp|Registers Per|Achieved Occ" "$R"/ncu_*.txt
+  cat "$R/bench_0.log" | cut -c1-200 | tail -60
+elif [ "$part" = E ]; then  # session 2: decode attention (new lane configurations) and the decode step
+  ( bench 0 attention 200 benchmarks/bench_decode_attention.py --providers loomnb,fa3,vllm,torch --repeats 9 --target-ms 1
+    echo "=== decode $(date +%T)" >> "$R/bench_0.log"
+    CUDA_VISIBLE_DEVICES=0 timeout 330 python3 benchmarks/bench_decode.py --out "$R" --batches 1,8,32,64 \
+      --contexts 128,2048 --providers loomnb-cuda,torch,hf --steps 24 --profile > "$R/decode.log" 2>&1
+    echo "=== decode rc=$? $(date +%T)" >> "$R/bench_0.log"
+    tail -40 "$R/decode.log" >> "$R/bench_0.log" ) &
+  first=$!
+  ( tests 1 e 300 tests/test_attention_gpu.py tests/test_attention_cases.py tests/test_model.py tests/test_cli.py \
+      benchmarks/test_bench_decode.py
+    memcheck 1 60 tests/test_attention_gpu.py "memcheck_small_shapes"
+    echo "=== kv_fp8_quality $(date +%T)" >> "$R/bench_1.log"
+    CUDA_VISIBLE_DEVICES=1 timeout 100 python3 benchmarks/kv_fp8_quality.py --out "$R" > "$R/kv_fp8.log" 2>&1
+    tail -25 "$R/kv_fp8.log" >> "$R/bench_1.log"
+    echo "=== generate --batch-sizes $(date +%T)" >> "$R/bench_1.log"
+    CUDA_VISIBLE_DEVICES=1 timeout 100 python3 -m loomnb generate --prompt "The capital of France is" \
+      --prompt "def fibonacci(n):" --max-new-tokens 64 --batch-sizes 1,8,32,64 --check-reference > "$R/generate.log" 2>&1
+    echo "generate rc=$?" >> "$R/generate.log"
+    tail -25 "$R/generate.log" >> "$R/bench_1.log" ) &
+  second=$!
+  wait $first $second
+  grep -hE "passed|failed|rc=|ERROR SUMMARY" "$R"/pytest_*.log "$R"/memcheck_*.log | tail -20
+  grep -hE "^(FAILED|ERROR) |^E  " "$R"/pytest_*.log | head -30
+  cat "$R/bench_1.log" "$R/bench_0.log" | cut -c1-200 | tail -90
+elif [ "$part" = D ]; then  # what part C's time limit cut off, and the memcheck subsets that matched nothing
   ( tests 0 rest 150 tests/test_rope_cache_gpu.py tests/test_attention_gpu.py tests/test_activation_gpu.py \
       -k "e5m2 or vllm or padded or unit_vector or registers or 64bit_offsets_large" ) &
   first=$!

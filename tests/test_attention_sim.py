@@ -1,7 +1,7 @@
 """Paged decode attention and merge_attn_states under numba's CUDA simulator against the float64
 oracle (the family template of ``tests/family.py``), at tiny shapes (one Python thread per CUDA
 thread): every (query, cache) dtype pair, every cache layout (16-byte and element loads), GQA
-ratios 1..16 (head chunks), head sizes of 4, 8 and 16 lanes, block sizes 1, 3 (not a power of
+ratios 1..16 (head chunks of 1 to 4 heads), head sizes of 8, 16 and 32 lanes, block sizes 1, 3 (not a power of
 two), 4, 16, 32, contexts around block boundaries, split-K with its merge, sliding window,
 softcap, stale block-table entries and NaN in every slot no visible token owns, and a sweep of
 the block size (the multi-round cross-warp merge included).
@@ -79,11 +79,24 @@ def test_gqa_ratios(num_heads, num_kv_heads):
 
 @pytest.mark.parametrize("head_size", [8, 40, 64, 80, 96, 128, 256])
 def test_head_sizes(head_size):
-    """4, 8 and 16 lanes per row; 80 and 96 leave lanes idle; 8 and 40 are not 16-aligned units
-    for every lane."""
+    """8, 16 and 32 lanes per row (8 elements a lane on the vector path); 80 and 96 leave lanes
+    idle; 8 and 40 are not 16-aligned units for every lane."""
     case = make_case(20 + head_size, seq_lens=[5], num_heads=2, num_kv_heads=1,
                      head_size=head_size, block_size=4)
     check(case, f"head_size {head_size}")
+
+
+@pytest.mark.parametrize("head_size, kind", [(80, "bf16"), (128, "f16"), (256, "bf16")])
+def test_sixteen_elements_a_lane_for_two_byte_caches(head_size, kind, monkeypatch):
+    """The vector path's 16-elements-a-lane configuration, which ``vector_config`` picks for a
+    2-byte cache of head_size > 64 once the CTAs fill the GPU (shapes the simulator cannot
+    reach), forced: 8 lanes a 128-row (5 of them real at 80), 16 at 256."""
+    monkeypatch.setattr(A, "ELEMENTS_PER_LANE", 16)
+    case = make_case(25 + head_size, seq_lens=[9, 4], num_heads=4, num_kv_heads=1,
+                     head_size=head_size, block_size=4, kind=kind)
+    assert A.vector_config("bf16", head_size, 10_000) == (16, 4)
+    assert A.vector_config("bf16", head_size, 1) == (8, 4)
+    check(case, f"epl 16, head_size {head_size}")
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16, 32])

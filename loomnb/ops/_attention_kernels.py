@@ -2,23 +2,30 @@
 ``merge_attn_states``. Each factory is specialised by a small frozen spec.
 
 **Decode pass** (:func:`decode_kernel`, :class:`DecodeSpec`). One CTA per ``(sequence, split,
-KV head, head chunk)``: it serves up to ``GC = 4`` query heads of one KV head, so a KV page is
-read from memory once for all of them (a larger group, ``num_heads / num_kv_heads > 4``, takes
-``ceil(group / 4)`` CTAs per KV head, which read the same pages; the repeats meet in L2).
+KV head, head chunk)``: it serves ``GC = spec.gc`` (1 to 4) query heads of one KV head, so a KV
+page is read from memory once for all of them (a larger group, ``num_heads / num_kv_heads >
+4``, takes ``ceil(group / 4)`` CTAs per KV head, which read the same pages; the repeats meet in
+L2; :func:`head_chunks`). ``GC`` is the chunk's real head count (SmolLM2's 3, not 4): each head
+costs ``2 * EPL`` registers a thread.
 
-* Lanes and rows: ``R = spec.lanes`` lanes hold one head row of ``head_size`` elements, ``EPL =
-  16`` elements each (R = 4 up to head_size 64, 8 up to 128, 16 up to 256); the CTA's ``nt /
-  R`` lane groups take consecutive tokens. Lane ``r`` holds the row's 16-byte units ``r, r + R,
-  ...`` (8 bf16/fp16, 16 FP8 or 4 fp32 elements each), element ``k`` of the lane being head
-  dimension ``dim(r, k) = (r + (k // UE) * R) * UE + k % UE`` (``UE`` elements per unit). The
-  query of each served head is held the same way, pre-multiplied by ``scale`` (and
+* Lanes and rows: ``R = spec.lanes`` lanes hold one head row of ``head_size`` elements, ``EPL``
+  elements each (vector path: ``EPL = 8``, R = 8 up to head_size 64, 16 up to 128, 32 up to
+  256; scalar path: ``EPL = 16``, R = 16); the CTA's ``nt / R`` lane groups take consecutive
+  tokens. Lane ``r`` holds the row's units ``r, r + R, ...`` (a unit is one load: 16 bytes =
+  8 bf16/fp16 or 4 fp32 elements, or 8 bytes = 8 FP8 codes), element ``k`` of the lane being
+  head dimension ``dim(r, k) = (r + (k // UE) * R) * UE + k % UE`` (``UE`` elements per
+  unit). The query of each served head is held the same way, pre-multiplied by ``scale`` (and
   ``k_scale`` for FP8, and log2(e) without a softcap: the softmax runs in base 2).
-* ``path="vec"``: each unit is one 16-byte load (``ld.global.v4.u32``) from the cache seen as
-  ``uint32`` words; ``path="scalar"``: element loads through the strides (any alignment, the
-  legacy transposed value cache). Both read a token's row at ``block * sb + offset * so +
-  kv_head * sh`` plus, for head dimension ``d``, ``(d >> xl) * su + (d & (2^xl - 1)) * se``
-  (``xl = log2(x)`` for vLLM's x-packed key, 0 otherwise); ``block =
+* ``path="vec"``: each unit is one 16-byte (``ld.global.v4.u32``) or 8-byte (``v2``) load from
+  the cache seen as ``uint32`` words; ``path="scalar"``: element loads through the strides (any
+  alignment, the legacy transposed value cache). Both read a token's row at ``block * sb +
+  offset * so + kv_head * sh`` plus, for head dimension ``d``, ``(d >> xl) * su + (d & (2^xl -
+  1)) * se`` (``xl = log2(x)`` for vLLM's x-packed key, 0 otherwise); ``block =
   block_tables[seq, pos // block_size]``. Only tokens below ``seq_len`` are read.
+* Registers decide the speed: ptxas gives the vector bf16 kernel (GC = 4, TT = 4) 168
+  registers a thread, so three 128-thread CTAs fit an SM, each thread with ``TT * 2 * 16``
+  bytes of loads in flight (the previous layout, 16 elements a lane and 2 tokens a tile, took
+  241 registers: two CTAs and a third less in flight).
 * Per tile of ``TT`` tokens per lane group: all loads of the tile issued first, partial dot
   products reduced over the ``R`` lanes (``group_reduce_array``), softcap ``cap * tanh(z /
   cap)``, then a FlashAttention online softmax in float32 per lane group: running max ``m``,
@@ -48,11 +55,13 @@ from .._numba_internals import device
 from ..layouts.dtypes import bits_f32, unpack_e4m3x2
 from . import _launch as L
 from ._reduce import fadd, fmax_nan, group_reduce_array
-from ._vector import CODECS, load_u32x4
+from ._vector import CODECS, load_u32x2, load_u32x4
 
-EPL = 16        # head-row elements a lane holds
-GC = 4          # query heads one CTA serves (registers: GC * EPL floats of q and of acc)
-LANES = (4, 8, 16)  # lanes per head row: head_size <= 16 * lanes
+EPL_VEC = 8     # head-row elements a lane holds on the vector path (one 16-byte unit of bf16)
+EPL_SCALAR = 16  # ... on the scalar path
+MAX_GC = 4      # query heads one CTA serves at most (registers: GC * EPL floats of q and of acc)
+LANES = (8, 16, 32)  # lanes per head row on the vector path: head_size <= EPL_VEC * lanes
+SCALAR_LANES = 16    # lanes per head row on the scalar path (head_size <= 256)
 SLOTS = 4       # warp states the cross-warp merge takes per round through shared memory
 KINDS = ("bf16", "f16", "f32")
 CACHES = ("bf16", "f16", "f32", "fp8")
@@ -63,26 +72,49 @@ LN2 = 0.6931471805599453
 NEG_INF = -math.inf
 
 
-def lanes_for(head_size):
-    """Lanes per head row (``DecodeSpec.lanes``) for ``head_size`` (at most 256)."""
-    return next(r for r in LANES if head_size <= EPL * r)
+def lanes_for(head_size, epl=EPL_VEC):
+    """Lanes per head row on the vector path (``DecodeSpec.lanes``) for ``head_size`` (at most
+    256): 8 up to 64, 16 up to 128, 32 up to 256 (``epl = 16``: half as many, at least 4)."""
+    return next(r for r in (4,) + LANES if head_size <= epl * r and (r > 4 or epl == 16))
 
 
-def tokens_per_tile(cache):
-    """Tokens a lane group loads per tile: 2 (1- and 2-byte caches), 1 (fp32: 16 words a row)."""
-    return 1 if ESIZE[cache] == 4 else 2
+def tokens_per_tile(cache, path="vec"):
+    """Tokens a lane group loads per tile: on the vector path 4 (1- and 2-byte caches) or 2
+    (fp32); on the scalar path, which holds 16 elements a lane, 2 or 1."""
+    tt = 2 if ESIZE[cache] == 4 else 4
+    return tt if path == "vec" else tt // 2
+
+
+def head_chunks(group):
+    """``(chunks, heads per chunk)`` of a KV head's ``group`` query heads: ``ceil(group / 4)``
+    CTAs, each serving at most ``MAX_GC`` heads (3 -> one CTA of 3; 7 -> two of 4 (4 + 3))."""
+    nc = -(-group // MAX_GC)
+    return nc, -(-group // nc)
 
 
 @dataclass(frozen=True)
 class DecodeSpec:
     kind: str          # query and output dtype: bf16, f16, f32
     cache: str         # the caches' dtype: the query's, or "fp8" (E4M3 codes)
-    path: str = "vec"  # "vec" (16-byte unit loads) or "scalar" (element loads)
-    lanes: int = 8     # lanes per head row (LANES)
+    path: str = "vec"  # "vec" (16- or 8-byte unit loads) or "scalar" (element loads)
+    lanes: int = 16    # lanes per head row (LANES; SCALAR_LANES on the scalar path)
+    gc: int = MAX_GC   # query heads a CTA serves (1..MAX_GC; :func:`head_chunks`)
+    tt: int = 0        # tokens per lane group per tile; 0: :func:`tokens_per_tile`
+    epl: int = 0       # head-row elements a lane holds; 0: EPL_VEC / EPL_SCALAR
 
     def __post_init__(self):
         assert self.kind in KINDS and self.cache in (self.kind, "fp8")
-        assert self.path in ("vec", "scalar") and self.lanes in LANES
+        assert self.path in ("vec", "scalar") and self.lanes in (4,) + LANES
+        assert 1 <= self.gc <= MAX_GC and 0 <= self.tt <= 8 and self.epl in (0, 8, 16)
+        if self.tt == 0:
+            object.__setattr__(self, "tt", tokens_per_tile(self.cache, self.path))
+        if self.epl == 0:
+            object.__setattr__(self, "epl", EPL_VEC if self.path == "vec" else EPL_SCALAR)
+
+    @property
+    def unit_bytes(self):
+        """Bytes of one load: 16, or 8 for an FP8 row on the vector path (8 codes a lane)."""
+        return min(16, self.epl * ESIZE[self.cache]) if self.path == "vec" else 16
 
 
 @dataclass(frozen=True)
@@ -116,12 +148,19 @@ def states_argtypes(spec):
 
 
 # ---------------------------------------------------------------- device helpers
+def _units(spec):
+    """``(EPL, UE, VPL, KW, UW)``: elements a lane holds, elements per unit, units per lane,
+    words a lane holds of one row (vector path; elements on the scalar path), words per unit."""
+    EPL, es = spec.epl, ESIZE[spec.cache]
+    UB = spec.unit_bytes
+    UE = UB // es
+    return EPL, UE, EPL // UE, EPL * es // 4, UB // 4
+
+
 def _row_decoder(spec):
     """``decode_row(vals, w, j)``: the ``EPL`` float32 values of token ``j`` of a tile from what
-    ``load_row`` stored (words of 16-byte units, or the raw elements of the scalar path)."""
-    UE = 16 // ESIZE[spec.cache]
-    VPL = EPL // UE
-    KW = EPL * ESIZE[spec.cache] // 4  # words a lane holds of one row
+    ``load_row`` stored (words of 8- or 16-byte units, or the raw elements of the scalar path)."""
+    EPL, UE, VPL, KW, UW = _units(spec)
     if spec.path == "scalar":
         if spec.cache == "fp8":
             @device
@@ -145,7 +184,7 @@ def _row_decoder(spec):
     elif spec.cache == "fp8":
         @device
         def decode_row(vals, w, j):
-            for c in range(4):
+            for c in range(KW):
                 x = w[j * KW + c]
                 a, b = unpack_e4m3x2(x & 0xFFFF)
                 e, f = unpack_e4m3x2(x >> 16)
@@ -163,24 +202,27 @@ def _row_decoder(spec):
 
         @device
         def decode_row(vals, w, j):
-            for i in range(VPL):
-                for c in range(4):
-                    lo, hi = unpack(w[j * KW + 4 * i + c])
-                    vals[i * UE + 2 * c] = lo
-                    vals[i * UE + 2 * c + 1] = hi
+            for c in range(KW):
+                lo, hi = unpack(w[j * KW + c])
+                vals[2 * c] = lo
+                vals[2 * c + 1] = hi
     return decode_row
 
 
 def _row_loader(spec):
     """``load_row(w, j, cache, blk, off, ok, hk, sb, so, sh, su, se, xl, D, r)``: lane ``r``'s
     part of the row at (block ``blk``, offset ``off``) of KV head ``hk`` into slot ``j`` of ``w``
-    (zeros where ``ok`` is false or past ``head_size``): 16-byte units as words (``"vec"``), or the raw
-    elements (``"scalar"``: bits as uint32, fp32 as float32), decoded by ``decode_row``."""
+    (zeros where ``ok`` is false or past ``head_size``): units as words (``"vec"``; unit ``u``
+    at word ``(u >> US) * su + (u & (2^US - 1)) * UW``, ``su`` the words between 16-byte
+    chunks, ``US = log2(16 / unit bytes)``), or the raw elements (``"scalar"``: bits as
+    uint32, fp32 as float32), decoded by ``decode_row``."""
     R = spec.lanes
-    UE = 16 // ESIZE[spec.cache]
-    VPL = EPL // UE
-    KW = EPL * ESIZE[spec.cache] // 4
+    EPL, UE, VPL, KW, UW = _units(spec)
+    US = (16 // spec.unit_bytes).bit_length() - 1
+    USM = (1 << US) - 1
     if spec.path == "vec":
+        load = load_u32x4 if UW == 4 else load_u32x2
+
         @device
         def load_row(w, j, cache, blk, off, ok, hk, sb, so, sh, su, se, xl, D, r):
             if ok:
@@ -188,12 +230,12 @@ def _row_loader(spec):
                 for i in range(VPL):
                     u = r + i * R
                     if u * UE < D:
-                        x = load_u32x4(cache, base + u * su)
-                        for c in range(4):
-                            w[j * KW + 4 * i + c] = x[c]
+                        x = load(cache, base + (u >> US) * su + (u & USM) * UW)
+                        for c in range(UW):
+                            w[j * KW + UW * i + c] = x[c]
                     else:
-                        for c in range(4):
-                            w[j * KW + 4 * i + c] = 0
+                        for c in range(UW):
+                            w[j * KW + UW * i + c] = 0
             else:
                 for c in range(KW):
                     w[j * KW + c] = 0
@@ -233,10 +275,10 @@ def decode_kernel(spec):
     R = spec.lanes
     LOG2R = R.bit_length() - 1
     NGW = 32 // R                        # lane groups per warp
-    UE = 16 // ESIZE[spec.cache]
-    TT = tokens_per_tile(spec.cache)
+    EPL, UE, VPL, KW, UW = _units(spec)
+    TT, GC = spec.tt, spec.gc
     VEC, FP8 = spec.path == "vec", spec.cache == "fp8"
-    NW_ = TT * (EPL * ESIZE[spec.cache] // 4 if VEC else EPL)  # per-lane tile storage of K (or V)
+    NW_ = TT * (KW if VEC else EPL)      # per-lane tile storage of K (or V)
     WTYPE = float32 if spec.cache == "f32" and not VEC else uint32
     QN, SCN, SMA, SMS = GC * EPL, GC * TT, SLOTS * GC * EPL * R, SLOTS * GC  # array sizes
     dec_q, enc = CODECS[spec.kind].decode, CODECS[spec.kind].encode
@@ -423,7 +465,7 @@ def decode_kernel(spec):
                             pml[s, h, p, 0] = m[g]
                             pml[s, h, p, 1] = lsum[g]
 
-    kernel.__name__ = f"paged_decode_{spec.kind}_{spec.cache}_{spec.path}_r{R}"
+    kernel.__name__ = f"paged_decode_{spec.kind}_{spec.cache}_{spec.path}_r{R}_g{GC}_t{TT}_e{EPL}"
     return kernel
 
 
@@ -500,17 +542,23 @@ def merge_states_kernel(spec):
 
 def variants():
     """Every ``(factory, spec, argtypes)`` the family's ops can launch (the PTX test compiles
-    them all): the decode pass for each (query, cache) dtype pair, the vector path at every
-    lane count and the scalar path (any strides) at 16 lanes; the split merge and
+    them all): the decode pass for each (query, cache) dtype pair and heads per CTA -- the
+    vector path at every lane count of the configurations ``attention.vector_config`` picks
+    (8 elements a lane for 2- and 4-byte caches, 16 for FP8 and for 2-byte caches of
+    head_size > 64), and the scalar path (any strides); the split merge and
     ``merge_attn_states`` for each output dtype."""
     out = []
     for kind in KINDS:
         for cache in (kind, "fp8"):
-            for lanes in LANES:
-                spec = DecodeSpec(kind, cache, "vec", lanes)
-                out.append((decode_kernel, spec, decode_argtypes(spec)))
-            spec = DecodeSpec(kind, cache, "scalar", 16)
-            out.append((decode_kernel, spec, decode_argtypes(spec)))
+            es = ESIZE[cache]
+            vec = ([] if es == 1 else [(8, r, 2 if es == 4 else 4) for r in LANES])
+            vec += ([(16, r, 4 if r > 4 else 2) for r in (4, 8, 16)] if es == 1 else
+                    [(16, r, 4) for r in (8, 16)] if es == 2 else [])
+            for gc in range(1, MAX_GC + 1):
+                specs = [DecodeSpec(kind, cache, "vec", r, gc, tt, epl) for epl, r, tt in vec]
+                specs.append(DecodeSpec(kind, cache, "scalar", SCALAR_LANES, gc))
+                for spec in specs:
+                    out.append((decode_kernel, spec, decode_argtypes(spec)))
         spec = MergeSpec(kind)
         out.append((split_merge_kernel, spec, merge_argtypes(spec)))
         out.append((merge_states_kernel, spec, states_argtypes(spec)))

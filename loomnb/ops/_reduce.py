@@ -188,6 +188,12 @@ else:
     @functools.cache
     def group_reduce_array(combine, width, n, stride=1):
         offsets = _offsets(width, stride)
+        if not offsets:  # groups of one lane: nothing to combine
+            @cuda.jit(device=True)
+            def reduce(vals):
+                pass
+
+            return reduce
 
         @cuda.jit(device=True)
         def reduce(vals):

@@ -34,17 +34,19 @@ from ..checks import (check_kind, check_ndim, check_same_device, check_shape, fa
                       fail_value)
 from . import _contract as C
 from . import _launch as L
-from ._attention_kernels import (EPL, GC, LANES, LOG2E, DecodeSpec, MergeSpec, decode_kernel,
-                                 lanes_for, merge_states_kernel, split_merge_kernel,
-                                 tokens_per_tile)
+from ._attention_kernels import (EPL_VEC, LANES, LOG2E, SCALAR_LANES, DecodeSpec, MergeSpec,
+                                 decode_kernel, head_chunks, lanes_for, merge_states_kernel,
+                                 split_merge_kernel)
 from ._torch_ops import torch_op
 
 __all__ = ["paged_decode_attention", "merge_attn_states"]
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-MAX_HEAD_SIZE = EPL * LANES[-1]  # 256
+MAX_HEAD_SIZE = EPL_VEC * LANES[-1]  # 256
 DECODE_THREADS = 128             # 4 warps per CTA
-MAX_DECODE_THREADS = 256         # ~200 registers a thread: more threads could not launch
+MAX_DECODE_THREADS = 256         # up to 255 registers a thread: more threads could not launch
+TOKENS_PER_TILE = None           # None: _attention_kernels.tokens_per_tile (a tuning knob)
+ELEMENTS_PER_LANE = None         # None: EPL_VEC on the vector path (a tuning knob: 8 or 16)
 STATES_THREADS = 128             # merge_attn_states: 4 (token, head) rows per CTA
 SPLIT_TARGET_PER_SM = 2          # CTAs per SM the split rule aims for (about one resident wave)
 MIN_SPLIT_TOKENS = 128           # a split reads at least this many tokens
@@ -71,14 +73,38 @@ def num_splits(num_seqs, num_kv_heads, head_chunks, context, sms=DEFAULT_SMS):
     return max(1, min(-(-target // ctas), context // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
 
-def decode_threads(context, splits, spec):
+def vector_config(cache, head_size, ctas, sms=DEFAULT_SMS):
+    """``(elements per lane, tokens per tile)`` of the vector path, from a launch-config sweep
+    on the H200 (``bench_decode_attention.py --tune``, 2026-11-30; graph replay, 32 sequences
+    x 16384 tokens): 8 elements a lane (16 lanes a 128-row, 168 registers, 3 CTAs an SM) is
+    fastest when the context is split over few sequences and for head_size 64 with a bf16
+    cache (9/3/64: 217 against 315 µs); 16 elements (8 lanes, 255 registers, 2 CTAs an SM, a
+    third fewer instructions a token: fewer shuffles and no repeated softmax) is fastest with
+    an FP8 cache (16-byte loads of 16 codes; 32/8/128: 726 against 1163 µs) and for a 2-byte
+    cache with head_size > 64 once ``ctas = num_seqs * num_kv_heads * head_chunks`` fills the
+    SMs without splitting (32/8/128 bf16: 836 against 1122 µs; at 8 sequences, 278 against
+    335 µs the other way). 4 tokens a tile, 2 for fp32 caches and for 16-element lanes of
+    head_size <= 64."""
+    es = {"fp8": 1, "f32": 4}.get(cache, 2)
+    epl = 16 if es == 1 or (es == 2 and head_size > 64 and ctas >= sms) else 8
+    tt = 2 if es == 4 or (epl == 16 and head_size <= 64) else 4
+    return epl, tt
+
+
+def decode_threads(context, splits, spec, ctas=None, sms=DEFAULT_SMS):
     """CTA size of the decode pass: ``DECODE_THREADS`` (4 warps), fewer when a split holds
     fewer tokens than one tile of them takes (``lanes * ceil(tokens / TT)`` threads, at least
     one warp): a 32-token context of head_size 64 runs on 2 warps, 16 tokens on one (no
-    cross-warp merge)."""
+    cross-warp merge). When the whole grid (``ctas`` CTAs, splits included) is smaller than
+    the GPU, up to ``MAX_DECODE_THREADS`` (8 warps), so a short context takes fewer tiles in a
+    row (each a block-table read, then a KV read). Measured on the H200 this changed nothing
+    that shows: SmolLM2's decode step at batch 1 and ~150 tokens (3 CTAs) spends 11.2-11.4 µs
+    a call either way, so that latency is in the kernel's prologue and epilogue, not in the
+    tiles."""
     tokens = -(-context // splits)
-    need = spec.lanes * -(-tokens // tokens_per_tile(spec.cache))
-    return min(DECODE_THREADS, max(32, -(-need // 32) * 32))
+    need = spec.lanes * -(-tokens // spec.tt)
+    cap = MAX_DECODE_THREADS if ctas is not None and ctas < sms else DECODE_THREADS
+    return min(cap, max(32, -(-need // 32) * 32))
 
 
 @functools.cache
@@ -359,8 +385,7 @@ def _launch_decode(op, a, oa, la, scale, softcap, sliding_window, max_seq_len, s
     q = a.q
     S, Hq, D, Hk, B = a.num_seqs, a.num_heads, a.head_size, a.num_kv_heads, a.block_size
     G = Hq // Hk
-    NC = -(-G // GC)
-    GCH = -(-G // NC)
+    NC, GCH = head_chunks(G)
     max_blocks = a.bt.shape[1]
     context = max_blocks * B if max_seq_len is None else min(max_seq_len, max_blocks * B)
     if sliding_window:
@@ -369,9 +394,15 @@ def _launch_decode(op, a, oa, la, scale, softcap, sliding_window, max_seq_len, s
     esize = 1 if a.fp8 else q.itemsize
     vec = (_vectorizable(a.k, a.kstr, a.kshape, esize)
            and _vectorizable(a.v, a.vstr, a.kshape, esize))
-    spec = DecodeSpec(q.kind, a.cache_kind, "vec" if vec else "scalar",
-                      lanes_for(D) if vec else LANES[-1])
-    threads = min(L.forced_threads() or decode_threads(context, P, spec), MAX_DECODE_THREADS)
+    if vec:
+        epl, tt = vector_config(a.cache_kind, D, S * Hk * NC, _sm_count(q.lib, q.device))
+        epl, tt = ELEMENTS_PER_LANE or epl, TOKENS_PER_TILE or tt
+        spec = DecodeSpec(q.kind, a.cache_kind, "vec", lanes_for(D, epl), GCH, tt, epl)
+    else:
+        spec = DecodeSpec(q.kind, a.cache_kind, "scalar", SCALAR_LANES, GCH, TOKENS_PER_TILE or 0)
+    threads = min(L.forced_threads() or decode_threads(context, P, spec, S * P * Hk * NC,
+                                                      _sm_count(q.lib, q.device)),
+                  MAX_DECODE_THREADS)
 
     def cache_param(c, ext):
         return L.array(c, (ext,), (1,), words=vec)

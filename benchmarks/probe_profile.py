@@ -1,0 +1,69 @@
+"""Eager calls of one loomnb op at one shape, for a profiler to look at (Nsight Compute):
+
+    ncu --clock-control none -k regex:paged_decode --launch-skip 2 --launch-count 1 \\
+        --section SpeedOfLight --section Occupancy --section LaunchStats \\
+        python3 benchmarks/probe_profile.py attention --num-seqs 32 --context 4096
+
+A probe, not a benchmark: it times nothing. ``attention``: ``paged_decode_attention`` over the
+bench's shuffled block-16 NHD cache (``--geometry``, ``--cache``); ``silu``: ``silu_and_mul``
+of ``[num_tokens, 2 * d]`` bf16; ``silu_group``: ``silu_and_mul_per_token_group_quant_fp8``
+(group 128).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import loomnb  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("op", choices=("attention", "silu", "silu_group"))
+    p.add_argument("--num-seqs", type=int, default=32)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--geometry", default="32/8/128")
+    p.add_argument("--cache", default="bf16", choices=("bf16", "fp8"))
+    p.add_argument("--num-tokens", type=int, default=4096)
+    p.add_argument("--d", type=int, default=11008)
+    p.add_argument("--calls", type=int, default=4)
+    args = p.parse_args(argv)
+    if args.op == "attention":
+        import bench_decode_attention as B
+        hq, hk, hd = B.GEOMETRIES[args.geometry]
+        case = {"num_heads": hq, "num_kv_heads": hk, "head_size": hd, "block_size": B.BLOCK_SIZE,
+                "cache": args.cache, "num_seqs": args.num_seqs, "context": args.context,
+                "dtype": "bf16"}
+        t = B.make_inputs(case, "cuda", 0)
+        fp8 = args.cache == "fp8"
+
+        def call():
+            loomnb.paged_decode_attention(
+                t["query"], t["key_cache"], t["value_cache"], t["block_tables"], t["seq_lens"],
+                hd ** -0.5, kv_cache_dtype="fp8" if fp8 else "auto",
+                k_scale=t["k_scale"] if fp8 else None, v_scale=t["v_scale"] if fp8 else None,
+                out=t["out"])
+    else:
+        x = torch.randn(args.num_tokens, 2 * args.d, dtype=torch.bfloat16, device="cuda")
+        if args.op == "silu":
+            out = torch.empty(args.num_tokens, args.d, dtype=torch.bfloat16, device="cuda")
+
+            def call():
+                loomnb.silu_and_mul(x, out=out)
+        else:
+            def call():
+                loomnb.silu_and_mul_per_token_group_quant_fp8(x, 128)
+    for _ in range(args.calls):
+        call()
+    torch.cuda.synchronize()
+    print("done", args)
+
+
+if __name__ == "__main__":
+    main()
