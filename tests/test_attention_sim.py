@@ -121,6 +121,7 @@ def test_split_k_and_its_merge(monkeypatch):
     equal the oracle, splits may be empty (a short sequence next to a long one), and the
     max_seq_len hint changes only the split count."""
     monkeypatch.setattr(A, "MIN_SPLIT_TOKENS", 8)
+    monkeypatch.setattr(A, "SPLIT_MIN_CONTEXT", 16)
     case = make_case(50, seq_lens=[37, 2, 0], num_heads=4, num_kv_heads=1, head_size=16,
                      block_size=4)
     assert A.num_splits(3, 1, 1, 40) == 5
@@ -134,11 +135,13 @@ def test_split_rule():
     assert A.num_splits(128, 8, 1, 1024) == 1 and A.num_splits(32, 8, 1, 32) == 1
     assert A.num_splits(32, 3, 1, 4096) == 3 and A.num_splits(8, 3, 1, 16384) == 11
     assert A.num_splits(1, 8, 1, 1024) == 8 and A.num_splits(1, 1, 1, 10 ** 6) == 64
+    assert A.num_splits(1, 3, 1, 255) == 1 and A.num_splits(1, 3, 1, 256) == 2  # 128 tokens a split
 
 
 @pytest.mark.parametrize("window", [1, 5, 100])
 def test_sliding_window(window, monkeypatch):
     monkeypatch.setattr(A, "MIN_SPLIT_TOKENS", 8)
+    monkeypatch.setattr(A, "SPLIT_MIN_CONTEXT", 16)
     case = make_case(60 + window, seq_lens=[23, 3], num_heads=2, num_kv_heads=1, head_size=16,
                      block_size=4)
     check(case, f"window {window}", sliding_window=window)
@@ -206,6 +209,7 @@ def test_out_given_and_lse_given_and_inputs_untouched():
 def test_block_size_sweep(monkeypatch):
     """32 .. 160 threads: one warp, two, and five (two rounds of the cross-warp merge)."""
     monkeypatch.setattr(A, "MIN_SPLIT_TOKENS", 8)
+    monkeypatch.setattr(A, "SPLIT_MIN_CONTEXT", 16)
     case = make_case(90, seq_lens=[45], num_heads=3, num_kv_heads=1, head_size=16, block_size=4)
     o, l_, vmax = exact(case)
     args, kw = op_args(case)

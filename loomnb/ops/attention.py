@@ -50,6 +50,7 @@ ELEMENTS_PER_LANE = None         # None: EPL_VEC on the vector path (a tuning kn
 STATES_THREADS = 128             # merge_attn_states: 4 (token, head) rows per CTA
 SPLIT_TARGET_PER_SM = 2          # CTAs per SM the split rule aims for (about one resident wave)
 MIN_SPLIT_TOKENS = 128           # a split reads at least this many tokens
+SPLIT_MIN_CONTEXT = 256          # shorter contexts are never split (the merge launch costs more)
 MAX_SPLITS = 64
 DEFAULT_SMS = 132                # H200; the simulator and unknown devices
 
@@ -59,16 +60,19 @@ def num_splits(num_seqs, num_kv_heads, head_chunks, context, sms=DEFAULT_SMS):
 
     ``ctas = num_seqs * num_kv_heads * head_chunks`` CTAs without splitting. When they already
     fill the GPU (``ctas >= 2 * sms``: about one wave at two resident CTAs per SM) or the
-    context is short (``< 2 * MIN_SPLIT_TOKENS`` = 256 tokens), one split; else
-    ``min(ceil(2 * sms / ctas), context // 128, 64)`` splits, so each reads at least 128
-    tokens. ``context`` is a host-side bound (``max_seq_len``, else ``max_blocks *
-    block_size``); each sequence divides its own visible range on the device, so a loose
-    bound costs speed, never correctness. H200 (132 SMs), 8 KV heads: 8 x 4096 -> 5 splits, 32
-    x 4096 -> 2, 128 x 1024 -> 1; SmolLM2's 3 KV heads: 32 x 4096 -> 3, 8 x 16384 -> 11.
+    context is short (``< SPLIT_MIN_CONTEXT`` = 256 tokens), one split; else ``min(ceil(2 *
+    sms / ctas), context // 128, 64)`` splits, so each reads at least ``MIN_SPLIT_TOKENS`` = 128
+    tokens. (Measured on the H200 with ``bench_decode_attention.py --tune``: 64 tokens a split
+    is 10-15% faster at 1-8 sequences of 256-512 tokens but up to 24% slower at 1 x 4096 and 8 x
+    1024 of SmolLM2's geometry, where the extra splits cost more in the merge than they gain.)
+    ``context`` is a host-side bound (``max_seq_len``, else ``max_blocks * block_size``); each
+    sequence divides its own visible range on the device, so a loose bound costs speed, never
+    correctness. H200 (132 SMs), 8 KV heads: 1 x 1024 -> 8 splits, 8 x 4096 -> 5, 32 x 4096 ->
+    2, 128 x 1024 -> 1; SmolLM2's 3 KV heads: 32 x 4096 -> 3, 8 x 16384 -> 11.
     """
     ctas = max(1, num_seqs * num_kv_heads * head_chunks)
     target = SPLIT_TARGET_PER_SM * sms
-    if ctas >= target or context < 2 * MIN_SPLIT_TOKENS:
+    if ctas >= target or context < SPLIT_MIN_CONTEXT:
         return 1
     return max(1, min(-(-target // ctas), context // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
