@@ -545,6 +545,51 @@ class LoomnbProvider(Provider):
         self.m = loomnb
 
 
+class TunedProvider:
+    """Mixin for a loomnb provider at another launch configuration (``--tune``): ``config``
+    maps constants of ``module`` (a ``loomnb.ops`` family module) to values, set around each
+    call and restored after, so graph replays measure the configured launches. The launch
+    cache is cleared at each bind (its keys do not hold the constants). Build one with
+    :func:`tuned`."""
+    module: str = ""
+    config: dict = {}
+
+    def setup(self, args, log):
+        if not getattr(args, "tune", False):
+            return "tuning variant: pass --tune"
+        err = super().setup(args, log)
+        if err is None:
+            import importlib
+            self._module = importlib.import_module(self.module)
+        return err
+
+    def bind(self, op, t, case):
+        self.m.ops.clear_launch_cache()
+        call, collect = super().bind(op, t, case)
+        mod, cfg = self._module, self.config
+
+        def configured():
+            saved = {k: getattr(mod, k) for k in cfg}
+            for k, v in cfg.items():
+                setattr(mod, k, v)
+            try:
+                return call()
+            finally:
+                for k, v in saved.items():
+                    setattr(mod, k, v)
+        return configured, collect
+
+
+def tuned(base, module, suffix, **config):
+    """Provider class ``<base.name>_<suffix>``: ``base`` with ``module``'s constants ``config``
+    (see :class:`TunedProvider`)."""
+    for k in config:
+        assert k.isupper(), f"{k}: tune a module constant"
+    return type(f"{base.__name__}_{suffix}", (TunedProvider, base),
+                {"name": f"{base.name}_{suffix}", "module": module, "config": config,
+                 "__doc__": f"{base.name} with {module}.{config} (--tune)"})
+
+
 class VllmProvider(Provider):
     """vLLM's compiled ops from its .so, loaded without importing vllm; arguments are bound by
     the schema's names (printed at start). Ops already registered in-process (tests) are used
@@ -651,6 +696,8 @@ def parse_args(family: Family, argv=None):
     a("--seed", type=int, default=0)
     a("--tag", default="", help="appended to the result file names")
     a("--dry-run", action="store_true", help="no GPU: fake timings, real plumbing and files")
+    a("--tune", action="store_true",
+      help="also run the family's loomnb_* tuning variants (other launch constants)")
     family.add_arguments(p)
     args = p.parse_args(argv)
     if getattr(args, family.x_axis) is None:

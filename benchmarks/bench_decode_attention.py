@@ -32,9 +32,10 @@ Providers (each skips with a logged reason when it cannot run):
 * ``torch_compile`` (``--torch-compile``: one compilation per shape) and ``flex``
   (``--flex``: ``flex_attention`` over the physical cache with a mask that follows the block
   table, compiled): off by default;
-* ``loomnb_t256``, ``loomnb_t64``, ``loomnb_w1``, ``loomnb_w4``, ``loomnb_m512``, ``loomnb_tt2``,
-  ``loomnb_tt8``, ``loomnb_tt8_t64`` (``--tune``): loomnb at other CTA sizes, split rules and
-  tokens per tile, to tune ``loomnb.ops.attention``'s constants.
+* ``loomnb_t256``, ``loomnb_t64`` (CTA size), ``loomnb_w1``, ``loomnb_w4`` (split target CTAs
+  per SM), ``loomnb_m512``, ``loomnb_m64``, ``loomnb_m32`` (tokens per split), ``loomnb_tt2``,
+  ``loomnb_tt8`` (tokens per tile), ``loomnb_e8``, ``loomnb_e16`` (elements per lane)
+  (``--tune``): loomnb with one of ``loomnb.ops.attention``'s constants changed, to tune them.
 
 Bytes model: the visible keys and values, read once (``num_seqs * context * num_kv_heads *
 head_size * 2 * element size``) -- what a decode step must move; the query, block table and
@@ -146,50 +147,13 @@ class Loomnb(H.LoomnbProvider):
         return call, lambda r: {"out": r}
 
 
-class LoomnbTuned(Loomnb):
-    """loomnb with another launch configuration (``--tune``): ``threads`` per CTA, the split
-    rule's CTAs per SM (``target``) and tokens per split (``min_tokens``); the module's values
-    are set around each call (graph replays measure the configured launches)."""
-    name, threads, target, min_tokens, tt, epl = "loomnb_tuned", None, None, None, None, None
-
-    def setup(self, args, log):
-        if not getattr(args, "tune", False):
-            return "tuning variant: pass --tune"
-        err = super().setup(args, log)
-        if err is None:
-            from loomnb.ops import attention
-            self.A = attention
-        return err
-
-    def bind(self, op, t, case):
-        call, collect = super().bind(op, t, case)
-        A, cfg = self.A, {"DECODE_THREADS": self.threads, "SPLIT_TARGET_PER_SM": self.target,
-                          "MIN_SPLIT_TOKENS": self.min_tokens, "TOKENS_PER_TILE": self.tt,
-                          "ELEMENTS_PER_LANE": self.epl}
-        cfg = {k: v for k, v in cfg.items() if v is not None}
-
-        def tuned():
-            saved = {k: getattr(A, k) for k in cfg}
-            for k, v in cfg.items():
-                setattr(A, k, v)
-            try:
-                return call()
-            finally:
-                for k, v in saved.items():
-                    setattr(A, k, v)
-        return tuned, collect
-
-
-def _tuned(name, **cfg):
-    return type(f"Loomnb_{name}", (LoomnbTuned,), {"name": f"loomnb_{name}", **cfg,
-                                                   "__doc__": f"loomnb, {cfg} (--tune)"})
-
-
-TUNED = [_tuned("t256", threads=256), _tuned("t64", threads=64), _tuned("w1", target=1),
-         _tuned("w4", target=4), _tuned("m512", min_tokens=512), _tuned("tt2", tt=2),
-         _tuned("tt8", tt=8), _tuned("tt8_t64", tt=8, threads=64), _tuned("w3", target=3),
-         _tuned("e16", epl=16, tt=2), _tuned("e16_tt4", epl=16, tt=4), _tuned("w3_t64", target=3, threads=64),
-         _tuned("w6_t64", target=6, threads=64)]
+_A = "loomnb.ops.attention"
+TUNED = [H.tuned(Loomnb, _A, "t256", DECODE_THREADS=256), H.tuned(Loomnb, _A, "t64", DECODE_THREADS=64),
+         H.tuned(Loomnb, _A, "w1", SPLIT_TARGET_PER_SM=1), H.tuned(Loomnb, _A, "w4", SPLIT_TARGET_PER_SM=4),
+         H.tuned(Loomnb, _A, "m512", MIN_SPLIT_TOKENS=512), H.tuned(Loomnb, _A, "m64", MIN_SPLIT_TOKENS=64),
+         H.tuned(Loomnb, _A, "m32", MIN_SPLIT_TOKENS=32), H.tuned(Loomnb, _A, "tt2", TOKENS_PER_TILE=2),
+         H.tuned(Loomnb, _A, "tt8", TOKENS_PER_TILE=8), H.tuned(Loomnb, _A, "e8", ELEMENTS_PER_LANE=8),
+         H.tuned(Loomnb, _A, "e16", ELEMENTS_PER_LANE=16)]
 
 
 class Torch(H.Provider):
@@ -426,9 +390,6 @@ class DecodeAttentionFamily(H.Family):
         p.add_argument("--flashinfer", action="store_true", help="run FlashInfer's decode wrappers")
         p.add_argument("--torch-compile", action="store_true", help="run torch.compile of the composite")
         p.add_argument("--flex", action="store_true", help="run flex_attention with a paged mask")
-        p.add_argument("--tune", action="store_true",
-                       help="also run loomnb at other launch configurations (loomnb_t256, _t64: "
-                            "threads; _w1, _w4: split target CTAs/SM; _m512: tokens per split)")
 
     def cases(self, args):
         batches = args.num_seqs

@@ -17,7 +17,11 @@ Providers:
 * ``vllm_triton``: vLLM's own V2 Triton kernels (``compute_topk_logprobs``, ``apply_min_p``)
   when ``vllm`` imports on this machine (it needs vLLM's engine; otherwise skipped, logged);
 * ``vllm``: vLLM's compiled ops by schema -- vLLM 0.24 has none for these ops (its sampler is
-  torch and Triton), so every row says n/a.
+  torch and Triton), so every row says n/a;
+* ``loomnb_b4``, ``loomnb_b8``, ``loomnb_b16`` (blocks per SM the row split aims at),
+  ``loomnb_t256`` (threads per block), ``loomnb_u8`` (16-byte units a thread reads before a row
+  is split further) and two combinations (``--tune``): loomnb with ``loomnb.ops.sampling``'s
+  launch constants changed, to tune them.
 
 Bytes model: the logits once (``R * V * b``), plus 20 B/row of outputs; Min-P reads and writes
 the logits (the mask is written where it applies; counted whole) plus 4 B/row of ``min_p``.
@@ -196,7 +200,12 @@ class Vllm(H.VllmProvider):
     pass
 
 
-PROVIDERS = {p.name: p for p in (Loomnb, Torch, H.compiled(Torch), VllmTriton, Vllm)}
+_S = "loomnb.ops.sampling"
+TUNED = [H.tuned(Loomnb, _S, "b4", BLOCKS_PER_SM=4), H.tuned(Loomnb, _S, "b8", BLOCKS_PER_SM=8),
+         H.tuned(Loomnb, _S, "b16", BLOCKS_PER_SM=16), H.tuned(Loomnb, _S, "t256", THREADS=256),
+         H.tuned(Loomnb, _S, "b8_t256", BLOCKS_PER_SM=8, THREADS=256),
+         H.tuned(Loomnb, _S, "u8", UNITS_PER_THREAD=8), H.tuned(Loomnb, _S, "b8_u8", BLOCKS_PER_SM=8, UNITS_PER_THREAD=8)]
+PROVIDERS = {p.name: p for p in (Loomnb, Torch, H.compiled(Torch), VllmTriton, Vllm, *TUNED)}
 
 
 class SamplingFamily(H.Family):
@@ -210,7 +219,8 @@ class SamplingFamily(H.Family):
     bytes_model = ("logits once per read and per write (R * V * elem), + 20 B/row of outputs "
                    "(token int64, logprob fp32, rank int64) or 4 B/row of min_p")
     fake = {"loomnb": (4.0, 3800.0), "torch": (55.0, 500.0), "torch_compile": (35.0, 900.0),
-            "vllm_triton": (20.0, 1500.0)}  # (floor µs, GB/s) for --dry-run
+            "vllm_triton": (20.0, 1500.0),
+            **{p.name: (4.0, 3700.0) for p in TUNED}}  # (floor µs, GB/s) for --dry-run
 
     def shape_label(self, case):
         return f"vocab {case['vocab_size']}"

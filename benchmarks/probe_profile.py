@@ -7,7 +7,8 @@
 A probe, not a benchmark: it times nothing. ``attention``: ``paged_decode_attention`` over the
 bench's shuffled block-16 NHD cache (``--geometry``, ``--cache``); ``silu``: ``silu_and_mul``
 of ``[num_tokens, 2 * d]`` bf16; ``silu_group``: ``silu_and_mul_per_token_group_quant_fp8``
-(group 128).
+(group 128); ``greedy``: ``greedy_sample_logprob`` (V1) of ``[num_rows, vocab]`` fp32 logits;
+``min_p``: ``min_p_filter_`` (V1) on them.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import loomnb  # noqa: E402
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("op", choices=("attention", "silu", "silu_group"))
+    p.add_argument("op", choices=("attention", "silu", "silu_group", "greedy", "min_p"))
+    p.add_argument("--num-rows", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--num-seqs", type=int, default=32)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--geometry", default="32/8/128")
@@ -49,6 +52,15 @@ def main(argv=None):
                 hd ** -0.5, kv_cache_dtype="fp8" if fp8 else "auto",
                 k_scale=t["k_scale"] if fp8 else None, v_scale=t["v_scale"] if fp8 else None,
                 out=t["out"])
+    elif args.op in ("greedy", "min_p"):
+        logits = torch.randn(args.num_rows, args.vocab, device="cuda") * 3
+        min_p = torch.full((args.num_rows,), 0.1, device="cuda")
+
+        def call():
+            if args.op == "greedy":
+                loomnb.greedy_sample_logprob(logits)
+            else:
+                loomnb.min_p_filter_(logits, min_p)
     else:
         x = torch.randn(args.num_tokens, 2 * args.d, dtype=torch.bfloat16, device="cuda")
         if args.op == "silu":

