@@ -17,6 +17,8 @@
 #                                   # rows) and of decode attention at batch 1 x 160 tokens
 #   bash scripts/gpu_session.sh I   # sampling and decode attention benchmarks, their GPU tests and
 #                                   # memcheck, and the graphed decode step (loomnb) after changes
+#   bash scripts/gpu_session.sh J   # the vLLM A/B (bench_vllm_ab.py --quick), one order per GPU,
+#                                   # after staging with gpu_stage.py --what numpy,vllm-engine
 # Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
 # with the other GPU's process. Everything (logs, result JSON/CSV) goes into one archive
 # $OUT/session_<part>.tgz, and the summary lines are printed last.
@@ -58,7 +60,22 @@ bench() {  # bench GPU NAME LIMIT SCRIPT ARGS...: one benchmark on one GPU with 
   tail -6 "$R/bench_$name.log" >> "$R/bench_$gpu.log"
 }
 
-if [ "$part" = I ]; then  # after the sampling walker's once-a-pair rescale and the 64-token splits
+if [ "$part" = J ]; then  # vLLM 0.24 itself with and without loomnb (staged with --what numpy,vllm-engine)
+  python3 /tmp/stage/files/gguf_to_hf.py "$LOOMNB_SMOLLM2_GGUF" /tmp/smollm2-hf > "$R/gguf_to_hf.log" 2>&1
+  ab() {  # ab GPU ORDER CONFIGS: one order of the A/B on one GPU, results straight into $OUT
+    CUDA_VISIBLE_DEVICES=$1 timeout "${AB_LIMIT:-290}" python3 benchmarks/bench_vllm_ab.py --model /tmp/smollm2-hf \
+      --quick --orders "$2" --configs "$3" --timeout 200 --out "$OUT/ab_$2.json" > "$OUT/ab_$2.log" 2>&1
+    echo "ab $2 rc=$?" >> "$OUT/ab_$2.log"
+  }
+  ( ab 0 forward "${AB_CONFIGS:-vllm_ops,loomnb}" ) &
+  first=$!
+  ( ab 1 reversed "${AB_CONFIGS:-vllm_ops,loomnb}" ) &
+  second=$!
+  wait $first $second
+  python3 benchmarks/bench_vllm_ab.py --merge "$OUT/ab_forward.json" "$OUT/ab_reversed.json" \
+    --out "$OUT/vllm_ab_merged.json" > "$OUT/ab_merge.log" 2>&1
+  tail -25 "$OUT/ab_forward.log" "$OUT/ab_reversed.log" "$OUT/ab_merge.log" | cut -c1-220
+elif [ "$part" = I ]; then  # after the sampling walker's once-a-pair rescale and the 64-token splits
   ( bench 0 sampling 230 benchmarks/bench_sampling.py --providers loomnb,torch,torch_compile --repeats 9
     bench 0 attention 200 benchmarks/bench_decode_attention.py --providers loomnb,fa3,vllm,torch --repeats 9 --target-ms 1 ) &
   first=$!
