@@ -34,9 +34,9 @@ from ..checks import (check_kind, check_ndim, check_same_device, check_shape, fa
                       fail_value)
 from . import _contract as C
 from . import _launch as L
-from ._attention_kernels import (EPL_VEC, LANES, LOG2E, SCALAR_LANES, DecodeSpec, MergeSpec,
-                                 decode_kernel, head_chunks, lanes_for, merge_states_kernel,
-                                 split_merge_kernel)
+from ._attention_kernels import (EPL_VEC, ESIZE, LANES, LOG2E, SCALAR_LANES, DecodeSpec,
+                                 MergeSpec, decode_kernel, head_chunks, lanes_for,
+                                 merge_states_kernel, split_merge_kernel)
 from ._torch_ops import torch_op
 
 __all__ = ["paged_decode_attention", "merge_attn_states"]
@@ -82,14 +82,15 @@ def vector_config(cache, head_size, ctas, sms=DEFAULT_SMS):
     on the H200 (``bench_decode_attention.py --tune``, 2026-11-30; graph replay, 32 sequences
     x 16384 tokens): 8 elements a lane (16 lanes a 128-row, 168 registers, 3 CTAs an SM) is
     fastest when the context is split over few sequences and for head_size 64 with a bf16
-    cache (9/3/64: 217 against 315 µs); 16 elements (8 lanes, 255 registers, 2 CTAs an SM, a
-    third fewer instructions a token: fewer shuffles and no repeated softmax) is fastest with
-    an FP8 cache (16-byte loads of 16 codes; 32/8/128: 726 against 1163 µs) and for a 2-byte
+    cache (9/3/64: 217 against 315 µs); 16 elements (8 lanes, 255 registers, 2 CTAs an SM,
+    fewer instructions a token: less than half the shuffles, and each token's softmax repeated
+    by 8 lanes instead of 16) is fastest with an FP8 cache (16-byte loads of 16 codes;
+    32/8/128: 726 against 1163 µs) and for a 2-byte
     cache with head_size > 64 once ``ctas = num_seqs * num_kv_heads * head_chunks`` fills the
     SMs without splitting (32/8/128 bf16: 836 against 1122 µs; at 8 sequences, 278 against
     335 µs the other way). 4 tokens a tile, 2 for fp32 caches and for 16-element lanes of
     head_size <= 64."""
-    es = {"fp8": 1, "f32": 4}.get(cache, 2)
+    es = ESIZE[cache]
     epl = 16 if es == 1 or (es == 2 and head_size > 64 and ctas >= sms) else 8
     tt = 2 if es == 4 or (epl == 16 and head_size <= 64) else 4
     return epl, tt
