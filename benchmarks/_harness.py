@@ -248,6 +248,9 @@ class Provider:
     def unsupported(self, case: dict) -> str | None:
         return None
 
+    def fresh(self) -> None:
+        """Called before each case binds: drop state an earlier provider's calls could leave."""
+
 
 def provider_passes(names: Sequence[str], order: str) -> list[tuple[str, list[str]]]:
     """"forward", "reverse" or "both": the provider orders the sweep runs, in sequence."""
@@ -544,12 +547,18 @@ class LoomnbProvider(Provider):
             return f"import loomnb failed: {e!r}"
         self.m = loomnb
 
+    def fresh(self):
+        """Clear loomnb's launch cache: its keys hold the tensors, not the launch constants a
+        :class:`TunedProvider` sets, so a later provider on tensors at the same addresses could
+        replay a launch remembered under another configuration."""
+        self.m.ops.clear_launch_cache()
+
 
 class TunedProvider:
     """Mixin for a loomnb provider at another launch configuration (``--tune``): ``config``
     maps constants of ``module`` (a ``loomnb.ops`` family module) to values, set around each
-    call and restored after, so graph replays measure the configured launches. The launch
-    cache is cleared at each bind (its keys do not hold the constants). Build one with
+    call and restored after, so graph replays measure the configured launches (the launch
+    cache is cleared before each case: :meth:`LoomnbProvider.fresh`). Build one with
     :func:`tuned`."""
     module: str = ""
     config: dict = {}
@@ -564,7 +573,6 @@ class TunedProvider:
         return err
 
     def bind(self, op, t, case):
-        self.m.ops.clear_launch_cache()
         call, collect = super().bind(op, t, case)
         mod, cfg = self._module, self.config
 
@@ -802,12 +810,14 @@ def _case_outputs(family, args, prov, case) -> dict:
     """One call on fresh inputs (seed args.seed: identical for every provider); cloned outputs."""
     op = family.ops[case["op"]]
     t = family.make_inputs(op, case, args.device, args.seed)
+    prov.fresh()
     call, collect = prov.bind(op, t, case)
     return {k: v.clone() for k, v in collect(call()).items()}
 
 
 def _case_timing(family, args, prov, case, pass_i) -> dict:
     op = family.ops[case["op"]]
+    prov.fresh()
     make_call = lambda i: prov.bind(  # noqa: E731
         op, family.make_inputs(op, case, args.device, args.seed + 1000 + i), case)[0]
     return time_case(make_call, case["bytes"], l2_cold=args.l2_cold, l2=args.l2_bytes,

@@ -137,7 +137,6 @@ class Loomnb(H.LoomnbProvider):
     """``loomnb.paged_decode_attention`` with a preallocated ``out``."""
 
     def bind(self, op, t, case):
-        self.m.ops.clear_launch_cache()  # no replay of a launch remembered under another config
         fp8 = case["cache"] == "fp8"
         call = partial(self.m.paged_decode_attention, t["query"], t["key_cache"], t["value_cache"],
                        t["block_tables"], t["seq_lens"], _scale(case),

@@ -133,16 +133,9 @@ class _Base(H.Provider):
             return "Min-P runs on vLLM's fp32 processed logits"
 
 
-class Loomnb(_Base):
+class Loomnb(_Base, H.LoomnbProvider):
     """loomnb's ops with preallocated outputs (Min-P in place)."""
     name = "loomnb"
-
-    def setup(self, args, log):
-        try:
-            import loomnb
-        except Exception as e:  # noqa: BLE001
-            return f"import loomnb failed: {e!r}"
-        self.m = loomnb
 
     def bind(self, op, t, case):
         s = op.extra["sampler"]
