@@ -61,14 +61,20 @@ def kernel_events(prof):
     return out
 
 
-def _profiled_count(fn, device):
+def _device_events(fn, device):
+    """:func:`kernel_events` of one profiled call of ``fn`` on CUDA ``device`` (synchronised
+    before and after, so only ``fn``'s work is in it)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize(device)
-    events = kernel_events(prof)
+    return kernel_events(prof)
+
+
+def _profiled_count(fn, device):
+    events = _device_events(fn, device)
     kernels = sum(not _is_copy(n) for n, _ in events)
     return kernels, len(events) - kernels
 
@@ -144,14 +150,8 @@ def kernel_table(fn, steps: int, device) -> list[dict]:
     the device activities per kernel name: rows ``{"name", "calls_per_step", "us_per_step",
     "share"}`` (share of the summed device time), largest first. Empty if the profiler saw
     no device activity (e.g. graph kernels not traced by this CUPTI)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize(device)
     calls, us = defaultdict(int), defaultdict(float)
-    for name, dur in kernel_events(prof):
+    for name, dur in _device_events(fn, device):
         calls[name] += 1
         us[name] += dur
     total = sum(us.values()) or 1.0
