@@ -36,7 +36,7 @@ from . import _contract as C
 from . import _launch as L
 from ._attention_kernels import (EPL_VEC, ESIZE, LANES, LOG2E, SCALAR_LANES, DecodeSpec,
                                  MergeSpec, decode_kernel, head_chunks, lanes_for,
-                                 merge_states_kernel, split_merge_kernel)
+                                 merge_states_kernel, split_merge_kernel, tokens_per_tile)
 from ._torch_ops import torch_op
 
 __all__ = ["paged_decode_attention", "merge_attn_states"]
@@ -92,8 +92,7 @@ def vector_config(cache, head_size, ctas, sms=DEFAULT_SMS):
     head_size <= 64."""
     es = ESIZE[cache]
     epl = 16 if es == 1 or (es == 2 and head_size > 64 and ctas >= sms) else 8
-    tt = 2 if es == 4 or (epl == 16 and head_size <= 64) else 4
-    return epl, tt
+    return epl, (2 if epl == 16 and head_size <= 64 else tokens_per_tile(cache))
 
 
 def decode_threads(context, splits, spec, ctas=None, sms=DEFAULT_SMS):
@@ -372,7 +371,7 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens
     a = _check_decode(op, query, key_cache, value_cache, block_tables, seq_lens, scale, softcap,
                       sliding_window, kv_cache_dtype, k_scale, v_scale, return_lse, max_seq_len)
     q = a.q
-    S, Hq, D, Hk = a.num_seqs, a.num_heads, a.head_size, a.num_kv_heads
+    S, Hq = a.num_seqs, a.num_heads
     oa = C.output(op, "out", out, like=q, kind=q.kind, shape=q.shape, like_name="query")
     la = (C.output(op, "lse", lse, like=q, kind="f32", shape=(Hq, S), like_name="query")
           if want_lse else None)
@@ -395,18 +394,18 @@ def _launch_decode(op, a, oa, la, scale, softcap, sliding_window, max_seq_len, s
     context = max_blocks * B if max_seq_len is None else min(max_seq_len, max_blocks * B)
     if sliding_window:
         context = min(context, sliding_window)
-    P = num_splits(S, Hk, NC, context, _sm_count(q.lib, q.device))
+    sms = _sm_count(q.lib, q.device)
+    P = num_splits(S, Hk, NC, context, sms)
     esize = 1 if a.fp8 else q.itemsize
     vec = (_vectorizable(a.k, a.kstr, a.kshape, esize)
            and _vectorizable(a.v, a.vstr, a.kshape, esize))
     if vec:
-        epl, tt = vector_config(a.cache_kind, D, S * Hk * NC, _sm_count(q.lib, q.device))
+        epl, tt = vector_config(a.cache_kind, D, S * Hk * NC, sms)
         epl, tt = ELEMENTS_PER_LANE or epl, TOKENS_PER_TILE or tt
         spec = DecodeSpec(q.kind, a.cache_kind, "vec", lanes_for(D, epl), GCH, tt, epl)
     else:
         spec = DecodeSpec(q.kind, a.cache_kind, "scalar", SCALAR_LANES, GCH, TOKENS_PER_TILE or 0)
-    threads = min(L.forced_threads() or decode_threads(context, P, spec, S * P * Hk * NC,
-                                                      _sm_count(q.lib, q.device)),
+    threads = min(L.forced_threads() or decode_threads(context, P, spec, S * P * Hk * NC, sms),
                   MAX_DECODE_THREADS)
 
     def cache_param(c, ext):
