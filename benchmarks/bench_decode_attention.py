@@ -152,7 +152,9 @@ TUNED = [H.tuned(Loomnb, _A, "t256", DECODE_THREADS=256), H.tuned(Loomnb, _A, "t
          H.tuned(Loomnb, _A, "m512", MIN_SPLIT_TOKENS=512), H.tuned(Loomnb, _A, "m64", MIN_SPLIT_TOKENS=64),
          H.tuned(Loomnb, _A, "m32", MIN_SPLIT_TOKENS=32), H.tuned(Loomnb, _A, "tt2", TOKENS_PER_TILE=2),
          H.tuned(Loomnb, _A, "tt8", TOKENS_PER_TILE=8), H.tuned(Loomnb, _A, "e8", ELEMENTS_PER_LANE=8),
-         H.tuned(Loomnb, _A, "e16", ELEMENTS_PER_LANE=16)]
+         H.tuned(Loomnb, _A, "e16", ELEMENTS_PER_LANE=16),
+         H.tuned(Loomnb, _A, "gc1", MAX_HEADS_PER_CTA=1), H.tuned(Loomnb, _A, "gc2", MAX_HEADS_PER_CTA=2),
+         H.tuned(Loomnb, _A, "gc1_t64", MAX_HEADS_PER_CTA=1, DECODE_THREADS=64, MAX_DECODE_THREADS=64)]
 
 
 class Torch(H.Provider):

@@ -79,9 +79,11 @@ def test_layouts(layout, cache):
     assert A.layout(t["query"], t["key_cache"], t["value_cache"], t["kv_cache_dtype"]) == want
 
 
+@pytest.mark.parametrize("max_gc", [None, 1, 2, 4])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(8, 8), (12, 4), (16, 4), (28, 4), (64, 8), (16, 1)])
-def test_gqa_ratios(num_heads, num_kv_heads):
-    """Group sizes 1, 3, 4, 7, 8, 16."""
+def test_gqa_ratios(num_heads, num_kv_heads, max_gc, monkeypatch):
+    """Group sizes 1, 3, 4, 7, 8, 16, at every heads-per-CTA bound (None: the rule's)."""
+    monkeypatch.setattr(A, "MAX_HEADS_PER_CTA", max_gc)
     case = make_case(4, seq_lens=[33, 700], num_heads=num_heads, num_kv_heads=num_kv_heads,
                      head_size=128)
     check(case, f"{num_heads}/{num_kv_heads}")

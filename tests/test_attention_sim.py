@@ -69,12 +69,30 @@ def test_legacy_key_with_an_aligned_value_takes_element_loads_for_both():
     check(case, "legacy")
 
 
+@pytest.mark.parametrize("max_gc", [None, 4])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(1, 1), (3, 1), (4, 1), (7, 1), (8, 2), (16, 1)])
-def test_gqa_ratios(num_heads, num_kv_heads):
-    """Group sizes 1..16: up to 4 query heads per CTA, larger groups in ceil(group/4) chunks."""
+def test_gqa_ratios(num_heads, num_kv_heads, max_gc, monkeypatch):
+    """Group sizes 1..16, with the heads-per-CTA rule (small work: one or two heads a CTA) and
+    forced up to 4 query heads a CTA (larger groups in ceil(group/4) chunks), which the rule
+    takes only past shapes the simulator can reach."""
+    monkeypatch.setattr(A, "MAX_HEADS_PER_CTA", max_gc)
     case = make_case(13 + num_heads, seq_lens=[9, 3], num_heads=num_heads,
                      num_kv_heads=num_kv_heads, head_size=16, block_size=4)
-    check(case, f"{num_heads}/{num_kv_heads}")
+    check(case, f"{num_heads}/{num_kv_heads}, max_gc {max_gc}")
+
+
+def test_heads_per_cta_rule():
+    """Small work (<= 3 Mi key elements): one head a CTA while the grid stays within 4 CTAs an
+    SM, else two; larger work: 4."""
+    assert A.heads_per_cta(3, 1, 3, 160, 64) == 1            # SmolLM2, batch 1
+    assert A.heads_per_cta(3, 64, 3, 192, 64) == 2           # batch 64: 576 CTAs of one head > 528
+    assert A.heads_per_cta(4, 32, 8, 32, 128) == 2           # 32/8/128, 32 x 32
+    assert A.heads_per_cta(4, 1, 8, 1024, 128) == 1
+    assert A.heads_per_cta(4, 1, 8, 4096, 128) == 4          # 4 Mi elements
+    assert A.heads_per_cta(3, 8, 3, 4096, 64) == 4
+    assert A.heads_per_cta(4, 128, 8, 32, 128) == 4          # 1024 CTAs even at two heads
+    assert A.head_chunks(3, 1) == (3, 1) and A.head_chunks(3, 2) == (2, 2)
+    assert A.head_chunks(7) == (2, 4) and A.head_chunks(16, 2) == (8, 2)
 
 
 @pytest.mark.parametrize("head_size", [8, 40, 64, 80, 96, 128, 256])

@@ -85,10 +85,11 @@ def tokens_per_tile(cache, path="vec"):
     return tt if path == "vec" else tt // 2
 
 
-def head_chunks(group):
-    """``(chunks, heads per chunk)`` of a KV head's ``group`` query heads: ``ceil(group / 4)``
-    CTAs, each serving at most ``MAX_GC`` heads (3 -> one CTA of 3; 7 -> two of 4 (4 + 3))."""
-    nc = -(-group // MAX_GC)
+def head_chunks(group, max_gc=MAX_GC):
+    """``(chunks, heads per chunk)`` of a KV head's ``group`` query heads: ``ceil(group /
+    max_gc)`` CTAs, each serving at most ``max_gc`` (<= ``MAX_GC``) heads (3 -> one CTA of 3;
+    7 -> two of 4 (4 + 3); 3 with ``max_gc = 1`` -> three of 1)."""
+    nc = -(-group // max_gc)
     return nc, -(-group // nc)
 
 

@@ -34,7 +34,7 @@ from ..checks import (check_kind, check_ndim, check_same_device, check_shape, fa
                       fail_value)
 from . import _contract as C
 from . import _launch as L
-from ._attention_kernels import (EPL_VEC, ESIZE, LANES, LOG2E, SCALAR_LANES, DecodeSpec,
+from ._attention_kernels import (EPL_VEC, ESIZE, LANES, LOG2E, MAX_GC, SCALAR_LANES, DecodeSpec,
                                  MergeSpec, decode_kernel, head_chunks, lanes_for,
                                  merge_states_kernel, split_merge_kernel, tokens_per_tile)
 from ._torch_ops import torch_op
@@ -47,11 +47,14 @@ DECODE_THREADS = 128             # 4 warps per CTA
 MAX_DECODE_THREADS = 256         # up to 255 registers a thread: more threads could not launch
 TOKENS_PER_TILE = None           # None: _attention_kernels.tokens_per_tile (a tuning knob)
 ELEMENTS_PER_LANE = None         # None: EPL_VEC on the vector path (a tuning knob: 8 or 16)
+MAX_HEADS_PER_CTA = None         # None: heads_per_cta's rule (a tuning knob: 1 to MAX_GC)
 STATES_THREADS = 128             # merge_attn_states: 4 (token, head) rows per CTA
 SPLIT_TARGET_PER_SM = 2          # CTAs per SM the split rule aims for (about one resident wave)
 MIN_SPLIT_TOKENS = 128           # a split reads at least this many tokens
 SPLIT_MIN_CONTEXT = 256          # shorter contexts are never split (the merge launch costs more)
 MAX_SPLITS = 64
+SMALL_KV_ELEMENTS = 3 << 20      # heads_per_cta: at most this many key elements is latency-bound
+SMALL_KV_WAVES = 4               # ... and then one or two heads a CTA, up to 4 CTAs per SM
 DEFAULT_SMS = 132                # H200; the simulator and unknown devices
 
 
@@ -75,6 +78,29 @@ def num_splits(num_seqs, num_kv_heads, head_chunks, context, sms=DEFAULT_SMS):
     if ctas >= target or context < SPLIT_MIN_CONTEXT:
         return 1
     return max(1, min(-(-target // ctas), context // MIN_SPLIT_TOKENS, MAX_SPLITS))
+
+
+def heads_per_cta(group, num_seqs, num_kv_heads, context, head_size, sms=DEFAULT_SMS):
+    """The most query heads one CTA serves (``DecodeSpec.gc``), for ``group`` query heads per
+    KV head.
+
+    A CTA serving ``gc`` heads reads each KV page once for all of them, but its critical path
+    (the q load, ``gc`` dot products a token, ``gc`` softmax states, the merge) grows with
+    ``gc``. When the work is small -- at most ``SMALL_KV_ELEMENTS`` (3 Mi) visible key
+    elements, ``num_seqs * num_kv_heads * context * head_size`` -- the kernel is latency-bound,
+    so it takes the smallest ``gc`` in (1, 2) whose grid, ``num_seqs * num_kv_heads *
+    ceil(group / gc)`` CTAs before splitting, is at most ``SMALL_KV_WAVES`` (4) CTAs per SM;
+    the pages a KV head's CTAs share meet in L2. Otherwise ``MAX_GC`` (4). Measured on the H200
+    (``bench_decode_attention.py --tune``, graph replay, bf16; 4 heads a CTA -> 1): SmolLM2's
+    9/3/64 at 1 x 160 tokens 11.5 -> 7.3 µs, 1 x 32 7.7 -> 5.2, 1 x 4096 17.6 -> 15.9, 32 x
+    160 11.9 -> 8.8; 32/8/128 at 1 x 1024 17.7 -> 13.7, 8 x 160 16.1 -> 10.2, and 32 x 32
+    13.0 -> 9.5 with 2 heads a CTA. Past the bound one head a CTA loses up to 2x (32/8/128,
+    32 x 4096: 234 -> 465 µs; 9/3/64, 8 x 4096: 22.7 -> 32.1)."""
+    if num_seqs * num_kv_heads * context * head_size <= SMALL_KV_ELEMENTS:
+        for gc in (1, 2):
+            if num_seqs * num_kv_heads * -(-group // gc) <= SMALL_KV_WAVES * sms:
+                return gc
+    return MAX_GC
 
 
 def vector_config(cache, head_size, ctas, sms=DEFAULT_SMS):
@@ -389,12 +415,12 @@ def _launch_decode(op, a, oa, la, scale, softcap, sliding_window, max_seq_len, s
     q = a.q
     S, Hq, D, Hk, B = a.num_seqs, a.num_heads, a.head_size, a.num_kv_heads, a.block_size
     G = Hq // Hk
-    NC, GCH = head_chunks(G)
     max_blocks = a.bt.shape[1]
     context = max_blocks * B if max_seq_len is None else min(max_seq_len, max_blocks * B)
     if sliding_window:
         context = min(context, sliding_window)
     sms = _sm_count(q.lib, q.device)
+    NC, GCH = head_chunks(G, MAX_HEADS_PER_CTA or heads_per_cta(G, S, Hk, context, D, sms))
     P = num_splits(S, Hk, NC, context, sms)
     esize = 1 if a.fp8 else q.itemsize
     vec = (_vectorizable(a.k, a.kstr, a.kshape, esize)
