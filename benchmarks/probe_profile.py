@@ -8,7 +8,8 @@ A probe, not a benchmark: it times nothing. ``attention``: ``paged_decode_attent
 bench's shuffled block-16 NHD cache (``--geometry``, ``--cache``); ``silu``: ``silu_and_mul``
 of ``[num_tokens, 2 * d]`` bf16; ``silu_group``: ``silu_and_mul_per_token_group_quant_fp8``
 (group 128); ``greedy``: ``greedy_sample_logprob`` (V1) of ``[num_rows, vocab]`` fp32 logits;
-``min_p``: ``min_p_filter_`` (V1) on them.
+``min_p``: ``min_p_filter_`` (V1) on them; ``rope``: ``rotary_embedding_and_cache`` of
+``--num-tokens`` tokens (``--geometry``, bf16 cache) over the RoPE bench's fused QKV buffer.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import loomnb  # noqa: E402
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("op", choices=("attention", "silu", "silu_group", "greedy", "min_p"))
+    p.add_argument("op", choices=("attention", "silu", "silu_group", "greedy", "min_p", "rope"))
     p.add_argument("--num-rows", type=int, default=128)
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--num-seqs", type=int, default=32)
@@ -52,6 +53,16 @@ def main(argv=None):
                 hd ** -0.5, kv_cache_dtype="fp8" if fp8 else "auto",
                 k_scale=t["k_scale"] if fp8 else None, v_scale=t["v_scale"] if fp8 else None,
                 out=t["out"])
+    elif args.op == "rope":
+        import bench_rope_cache as B
+        hq, hk, hd = B.GEOMETRIES[args.geometry]
+        t = B.make_inputs({"num_tokens": args.num_tokens, "num_heads": hq, "num_kv_heads": hk,
+                           "head_size": hd, "kv": "bf16"}, "cuda", 0)
+
+        def call():
+            loomnb.rotary_embedding_and_cache(
+                t["positions"], t["query"], t["key"], t["value"], t["key_cache"],
+                t["value_cache"], t["slot_mapping"], hd, t["cos_sin_cache"], True)
     elif args.op in ("greedy", "min_p"):
         logits = torch.randn(args.num_rows, args.vocab, device="cuda") * 3
         min_p = torch.full((args.num_rows,), 0.1, device="cuda")

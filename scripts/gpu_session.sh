@@ -17,6 +17,9 @@
 #                                   # rows) and of decode attention at batch 1 x 160 tokens
 #   bash scripts/gpu_session.sh I   # sampling and decode attention benchmarks, their GPU tests and
 #                                   # memcheck, and the graphed decode step (loomnb) after changes
+#   bash scripts/gpu_session.sh K   # every benchmark with its named peers (FlashInfer too: stage
+#                                   # numpy,model,vllm,fa3,flashinfer,liger), decode step, model tests
+#   bash scripts/gpu_session.sh L   # right after K: HF's static-cache compile, notebooks' GPU run
 #   bash scripts/gpu_session.sh J   # the vLLM A/B (bench_vllm_ab.py --quick), one order per GPU,
 #                                   # after staging with gpu_stage.py --what numpy,vllm-engine
 # Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
@@ -59,6 +62,50 @@ bench() {  # bench GPU NAME LIMIT SCRIPT ARGS...: one benchmark on one GPU with 
   echo "=== $name rc=$? $(date +%T)" >> "$R/bench_$gpu.log"
   tail -6 "$R/bench_$name.log" >> "$R/bench_$gpu.log"
 }
+
+if [ "$part" = K ]; then  # session 3 (after staging numpy,model,vllm,fa3,flashinfer,liger): every peer
+  ( bench 0 attention 300 benchmarks/bench_decode_attention.py --providers loomnb,fa3,flashinfer,flashinfer_tc,vllm,torch \
+      --flashinfer --repeats 9 --target-ms 1
+    echo "=== decode $(date +%T)" >> "$R/bench_0.log"
+    CUDA_VISIBLE_DEVICES=0 timeout 250 python3 benchmarks/bench_decode.py --out "$R" --batches 1,8,32,64 \
+      --contexts 128,2048 --providers loomnb-cuda,torch,hf --steps 24 --profile > "$R/decode.log" 2>&1
+    echo "=== decode rc=$? $(date +%T)" >> "$R/bench_0.log"
+    grep -E "^(forward|reversed) +loomnb" "$R/decode.log" >> "$R/bench_0.log" ) &
+  first=$!
+  ( bench 1 rope 150 benchmarks/bench_rope_cache.py --repeats 9
+    bench 1 activation 170 benchmarks/bench_activation.py --repeats 9
+    tests 1 k 120 tests/test_model.py
+    echo "=== generate $(date +%T)" >> "$R/bench_1.log"
+    CUDA_VISIBLE_DEVICES=1 timeout 90 python3 -m loomnb generate --prompt "The capital of France is" \
+      --prompt "def fibonacci(n):" --max-new-tokens 64 --batch-sizes 1,8,64 --check-reference --allow-near-ties > "$R/generate.log" 2>&1
+    echo "generate rc=$?" >> "$R/generate.log"
+    tail -25 "$R/generate.log" >> "$R/bench_1.log" ) &
+  second=$!
+  wait $first $second
+  tar czf "$OUT/session_$part.tgz" -C "$R" .
+  grep -hE "passed|failed|rc=|ERROR SUMMARY" "$R"/pytest_*.log | tail -5
+  grep -hE "^(FAILED|ERROR) |^E  " "$R"/pytest_*.log | head -20
+  cat "$R/bench_0.log" "$R/bench_1.log" | cut -c1-200 | tail -70
+  exit 0
+elif [ "$part" = L ]; then  # session 3, right after K: HF's static-cache compile, notebooks, memcheck
+  ( echo "=== hf-compile $(date +%T)" >> "$R/bench_0.log"
+    CUDA_VISIBLE_DEVICES=0 timeout 230 python3 benchmarks/bench_decode.py --out "$R" --batches 1,8 \
+      --contexts 128 --providers hf-compile --steps 24 > "$R/decode_hf_compile.log" 2>&1
+    echo "=== hf-compile rc=$? $(date +%T)" >> "$R/bench_0.log"
+    tail -30 "$R/decode_hf_compile.log" >> "$R/bench_0.log"
+    bench 0 rope 320 benchmarks/bench_rope_cache.py --repeats 7 ) &
+  first=$!
+  ( export CUDA_VISIBLE_DEVICES=1
+    timeout 300 python3 scripts/run_notebooks.py --gpu --out "$R/notebooks" > "$R/notebooks.log" 2>&1
+    echo "notebooks rc=$?" >> "$R/notebooks.log"
+    memcheck 1 60 tests/test_attention_gpu.py "memcheck_small_shapes" ) &
+  second=$!
+  wait $first $second
+  tar czf "$OUT/session_$part.tgz" -C "$R" .
+  tail -5 "$R/notebooks.log"; grep -hE "rc=|ERROR SUMMARY" "$R"/memcheck_*.log | tail -4
+  cat "$R/bench_0.log" | cut -c1-200 | tail -30
+  exit 0
+fi
 
 if [ "$part" = J ]; then  # vLLM 0.24 itself with and without loomnb (staged with --what numpy,vllm-engine)
   python3 /tmp/stage/files/gguf_to_hf.py "$LOOMNB_SMOLLM2_GGUF" /tmp/smollm2-hf > "$R/gguf_to_hf.log" 2>&1
