@@ -128,9 +128,11 @@ def decode_threads(context, splits, spec, ctas=None, sms=DEFAULT_SMS):
     cross-warp merge). When the whole grid (``ctas`` CTAs, splits included) is smaller than
     the GPU, up to ``MAX_DECODE_THREADS`` (8 warps), so a short context takes fewer tiles in a
     row (each a block-table read, then a KV read). Measured on the H200 this changed nothing
-    that shows: SmolLM2's decode step at batch 1 and ~150 tokens (3 CTAs) spends 11.2-11.4 µs
-    a call either way, so that latency is in the kernel's prologue and epilogue, not in the
-    tiles."""
+    that shows with 3-4 heads a CTA (SmolLM2 at batch 1 and ~150 tokens: 3 CTAs, 11.2-11.4 µs
+    a call either way): that latency was each warp's instruction path (the q load, a dot
+    product and a softmax state per served head, the merge), which :func:`heads_per_cta`
+    shortens instead (9 CTAs of one head: 7.3 µs; with one head 8 warps beat 2, 7.3 against
+    9.8 µs)."""
     tokens = -(-context // splits)
     need = spec.lanes * -(-tokens // spec.tt)
     cap = MAX_DECODE_THREADS if ctas is not None and ctas < sms else DECODE_THREADS
