@@ -551,3 +551,21 @@ def test_smollm2_on_the_gpu_equals_the_torch_reference(dtype):
                   f"{ref.top_logits[0][i, step][:2].tolist()} {ref.top_logits[1][i, step][:2].tolist()}")
     print(f"{dtype}: {sum(v == 'identical' for v, _ in verdicts)}/{len(verdicts)} identical")
     assert all(v in ("identical", "near-tie") for v, _ in verdicts), verdicts
+
+
+def test_divergence_report_gives_both_paths_top_logits():
+    """At a divergence the check reports each path's two largest logits and their margin (the
+    issue's near-tie evidence), read from ``GenerationResult.top_logits``."""
+    from loomnb.models.llama import GenerationResult, top_logits_at
+
+    def result(ids, vals, tokens):
+        return GenerationResult([[1]], [tokens], "x", (), 0.0, 0.0, 1, 1,
+                                top_logits=(torch.tensor([ids]), torch.tensor([vals])))
+
+    a = result([[7, 3], [5, 9]], [[2.0, 1.0], [17.25, 17.25]], [7, 5])
+    b = result([[7, 3], [9, 5]], [[2.0, 1.0], [17.25, 17.1875]], [7, 9])
+    assert compare_greedy(a, b) == [("near-tie", 1)]
+    assert top_logits_at(a, 0, 1) == "{5: 17.25, 9: 17.25}; top-2 margin 0"
+    assert top_logits_at(b, 0, 1) == "{9: 17.25, 5: 17.1875}; top-2 margin 0.0625"
+    assert top_logits_at(GenerationResult([[1]], [[7]], "x", (), 0, 0, 1, 1), 0, 0) == \
+        "(no logits kept)"

@@ -453,7 +453,7 @@ def generate(args) -> int:
     """``loomnb generate``: validate, load, decode, report (see the module docstring)."""
     plan = validate(args)
     from .backends import LOOMNB_OPS, TORCH_OPS
-    from .llama import compare_greedy, load_model
+    from .llama import compare_greedy, load_model, top_logits_at
 
     header, cfg = plan.header, plan.header.config
     print(f"loading {Path(plan.gguf).name} ({header.file_type} GGUF, {cfg.num_hidden_layers} "
@@ -489,7 +489,9 @@ def generate(args) -> int:
         if verdict != "identical":
             a, b = result.token_ids[i], ref.token_ids[i]
             print(f"[{i}] {verdict} at new token {step}: {result.backend} {a[step:step + 3]} "
-                  f"vs torch-reference {b[step:step + 3]}")
+                  f"vs torch-reference {b[step:step + 3]}; logits there: {result.backend} "
+                  f"{top_logits_at(result, i, step)}, torch-reference "
+                  f"{top_logits_at(ref, i, step)}")
     n_same = sum(v == "identical" for v, _ in verdicts)
     n_tie = sum(v == "near-tie" for v, _ in verdicts)
     ok = n_same == len(verdicts) or (args.allow_near_ties and n_same + n_tie == len(verdicts))

@@ -283,6 +283,18 @@ def is_near_tie(result: GenerationResult, seq: int, step: int, token: int, ulps=
     return top - vals[ids.index(token)].item() <= ulps * ulp
 
 
+def top_logits_at(result: GenerationResult, seq: int, step: int, n: int = 2) -> str:
+    """``result``'s ``n`` largest logits for sequence ``seq`` at ``step`` as ``"token: logit"``
+    pairs and the top-two margin (needs ``result.top_logits``; else ``"(no logits kept)"``)."""
+    if result.top_logits is None:
+        return "(no logits kept)"
+    ids = result.top_logits[0][seq, step, :n].tolist()
+    vals = result.top_logits[1][seq, step, :n].tolist()
+    pairs = ", ".join(f"{i}: {v:.6g}" for i, v in zip(ids, vals))
+    margin = f"; top-2 margin {vals[0] - vals[1]:.6g}" if len(vals) > 1 else ""
+    return f"{{{pairs}}}{margin}"
+
+
 def compare_greedy(a: GenerationResult, b: GenerationResult, ulps=2.0):
     """Per prompt: ``("identical", None)``, ``("near-tie", step)`` or ``("mismatch", step)``.
 
