@@ -63,14 +63,19 @@ bench() {  # bench GPU NAME LIMIT SCRIPT ARGS...: one benchmark on one GPU with 
   tail -6 "$R/bench_$name.log" >> "$R/bench_$gpu.log"
 }
 
+decode_step() {  # decode_step GPU LIMIT PROVIDERS: the graphed decode-step benchmark with its per-kernel profile
+  local gpu=$1 limit=$2 providers=$3
+  echo "=== decode $(date +%T)" >> "$R/bench_$gpu.log"
+  CUDA_VISIBLE_DEVICES=$gpu timeout "$limit" python3 benchmarks/bench_decode.py --out "$R" --batches 1,8,32,64 \
+    --contexts 128,2048 --providers "$providers" --steps 24 --profile > "$R/decode.log" 2>&1
+  echo "=== decode rc=$? $(date +%T)" >> "$R/bench_$gpu.log"
+  grep -E "^(forward|reversed) +loomnb" "$R/decode.log" >> "$R/bench_$gpu.log"
+}
+
 if [ "$part" = K ]; then  # session 3 (after staging numpy,model,vllm,fa3,flashinfer,liger): every peer
   ( bench 0 attention 300 benchmarks/bench_decode_attention.py --providers loomnb,fa3,flashinfer,flashinfer_tc,vllm,torch \
       --flashinfer --repeats 9 --target-ms 1
-    echo "=== decode $(date +%T)" >> "$R/bench_0.log"
-    CUDA_VISIBLE_DEVICES=0 timeout 250 python3 benchmarks/bench_decode.py --out "$R" --batches 1,8,32,64 \
-      --contexts 128,2048 --providers loomnb-cuda,torch,hf --steps 24 --profile > "$R/decode.log" 2>&1
-    echo "=== decode rc=$? $(date +%T)" >> "$R/bench_0.log"
-    grep -E "^(forward|reversed) +loomnb" "$R/decode.log" >> "$R/bench_0.log" ) &
+    decode_step 0 250 loomnb-cuda,torch,hf ) &
   first=$!
   ( bench 1 rope 150 benchmarks/bench_rope_cache.py --repeats 9
     bench 1 activation 170 benchmarks/bench_activation.py --repeats 9
@@ -166,11 +171,7 @@ elif [ "$part" = G ]; then  # launch-constant sweeps (--tune): sampling on GPU 0
   cat "$R/bench_0.log" "$R/bench_1.log" | cut -c1-200 | tail -30
 elif [ "$part" = F ]; then  # after part E: decode attention with up to 8 warps for small grids
   ( bench 0 attention 200 benchmarks/bench_decode_attention.py --providers loomnb,fa3,vllm,torch --repeats 9 --target-ms 1
-    echo "=== decode $(date +%T)" >> "$R/bench_0.log"
-    CUDA_VISIBLE_DEVICES=0 timeout 330 python3 benchmarks/bench_decode.py --out "$R" --batches 1,8,32,64 \
-      --contexts 128,2048 --providers loomnb-cuda,torch,hf --steps 24 --profile > "$R/decode.log" 2>&1
-    echo "=== decode rc=$? $(date +%T)" >> "$R/bench_0.log"
-    grep -E "^(forward|reversed) +loomnb" "$R/decode.log" >> "$R/bench_0.log" ) &
+    decode_step 0 330 loomnb-cuda,torch,hf ) &
   first=$!
   ( tests 1 f 300 tests/test_attention_gpu.py tests/test_attention_cases.py tests/test_model.py
     memcheck 1 60 tests/test_attention_gpu.py "memcheck_small_shapes"
@@ -186,11 +187,7 @@ elif [ "$part" = F ]; then  # after part E: decode attention with up to 8 warps 
   cat "$R/bench_0.log" | cut -c1-200 | tail -60
 elif [ "$part" = E ]; then  # session 2: decode attention (new lane configurations) and the decode step
   ( bench 0 attention 200 benchmarks/bench_decode_attention.py --providers loomnb,fa3,vllm,torch --repeats 9 --target-ms 1
-    echo "=== decode $(date +%T)" >> "$R/bench_0.log"
-    CUDA_VISIBLE_DEVICES=0 timeout 330 python3 benchmarks/bench_decode.py --out "$R" --batches 1,8,32,64 \
-      --contexts 128,2048 --providers loomnb-cuda,torch,hf --steps 24 --profile > "$R/decode.log" 2>&1
-    echo "=== decode rc=$? $(date +%T)" >> "$R/bench_0.log"
-    tail -40 "$R/decode.log" >> "$R/bench_0.log" ) &
+    decode_step 0 330 loomnb-cuda,torch,hf ) &
   first=$!
   ( tests 1 e 300 tests/test_attention_gpu.py tests/test_attention_cases.py tests/test_model.py tests/test_cli.py \
       benchmarks/test_bench_decode.py
