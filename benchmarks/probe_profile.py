@@ -9,7 +9,10 @@ bench's shuffled block-16 NHD cache (``--geometry``, ``--cache``); ``silu``: ``s
 of ``[num_tokens, 2 * d]`` bf16; ``silu_group``: ``silu_and_mul_per_token_group_quant_fp8``
 (group 128); ``greedy``: ``greedy_sample_logprob`` (V1) of ``[num_rows, vocab]`` fp32 logits;
 ``min_p``: ``min_p_filter_`` (V1) on them; ``rope``: ``rotary_embedding_and_cache`` of
-``--num-tokens`` tokens (``--geometry``, bf16 cache) over the RoPE bench's fused QKV buffer.
+``--num-tokens`` tokens (``--geometry``, bf16 cache) over the RoPE bench's fused QKV buffer;
+``quant_tensor`` / ``quant_token`` / ``quant_group``: ``dynamic_scaled_fp8_quant``,
+``dynamic_per_token_scaled_fp8_quant`` and ``per_token_group_quant_fp8`` (group 128) of
+``[num_tokens, d]`` bf16.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import loomnb  # noqa: E402
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("op", choices=("attention", "silu", "silu_group", "greedy", "min_p", "rope"))
+    p.add_argument("op", choices=("attention", "silu", "silu_group", "greedy", "min_p", "rope",
+                                   "quant_tensor", "quant_token", "quant_group"))
     p.add_argument("--num-rows", type=int, default=128)
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--num-seqs", type=int, default=32)
@@ -72,6 +76,14 @@ def main(argv=None):
                 loomnb.greedy_sample_logprob(logits)
             else:
                 loomnb.min_p_filter_(logits, min_p)
+    elif args.op.startswith("quant_"):
+        y = torch.randn(args.num_tokens, args.d, dtype=torch.bfloat16, device="cuda")
+        quant = {"quant_tensor": loomnb.dynamic_scaled_fp8_quant,
+                 "quant_token": loomnb.dynamic_per_token_scaled_fp8_quant,
+                 "quant_group": lambda a: loomnb.per_token_group_quant_fp8(a, 128)}[args.op]
+
+        def call():
+            quant(y)
     else:
         x = torch.randn(args.num_tokens, 2 * args.d, dtype=torch.bfloat16, device="cuda")
         if args.op == "silu":

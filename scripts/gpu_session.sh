@@ -20,6 +20,8 @@
 #   bash scripts/gpu_session.sh K   # every benchmark with its named peers (FlashInfer too: stage
 #                                   # numpy,model,vllm,fa3,flashinfer,liger), decode step, model tests
 #   bash scripts/gpu_session.sh L   # right after K: HF's static-cache compile, notebooks' GPU run
+#   bash scripts/gpu_session.sh M   # the sampling grid (3 vocabularies, fp32 and bf16) and Nsight
+#                                   # Compute of the standalone FP8 quant ops (numpy only)
 #   bash scripts/gpu_session.sh J   # the vLLM A/B (bench_vllm_ab.py --quick), one order per GPU,
 #                                   # after staging with gpu_stage.py --what numpy,vllm-engine
 # Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
@@ -71,6 +73,26 @@ decode_step() {  # decode_step GPU LIMIT PROVIDERS: the graphed decode-step benc
   echo "=== decode rc=$? $(date +%T)" >> "$R/bench_$gpu.log"
   grep -E "^(forward|reversed) +loomnb" "$R/decode.log" >> "$R/bench_$gpu.log"
 }
+
+if [ "$part" = M ]; then  # next: what the open issues still lack (numpy only; .gpu-stage/np carried)
+  NCU="ncu --clock-control none --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats --section InstructionStats --section MemoryWorkloadAnalysis"
+  ( bench 0 sampling_fp32 280 benchmarks/bench_sampling.py --providers loomnb,torch,torch_compile \
+      --vocab-sizes 49152,128256,151936 --dtype fp32 --repeats 7 --target-ms 1 --tag vocabs_fp32
+    bench 0 sampling_bf16 280 benchmarks/bench_sampling.py --providers loomnb,torch,torch_compile \
+      --vocab-sizes 49152,128256,151936 --dtype bf16 --repeats 7 --target-ms 1 --tag vocabs_bf16 ) &
+  first=$!
+  ( export CUDA_VISIBLE_DEVICES=1
+    for op in quant_tensor quant_token quant_group; do
+      timeout 60 $NCU -k regex:^kernel python3 benchmarks/probe_profile.py $op > "$R/ncu_$op.txt" 2>&1
+    done
+    timeout 60 $NCU -k regex:^kernel python3 benchmarks/probe_profile.py silu --num-tokens 1 > "$R/ncu_silu_1.txt" 2>&1 ) &
+  second=$!
+  wait $first $second
+  tar czf "$OUT/session_$part.tgz" -C "$R" .
+  for f in "$R"/ncu_*.txt; do echo "== $f"; grep -E "Duration|DRAM Throughput|Compute \(SM\)|Issued Warp|Grid Size|Block Size|Registers Per|Achieved Occ" "$f"; done
+  cat "$R/bench_0.log" | cut -c1-200 | tail -20
+  exit 0
+fi
 
 if [ "$part" = K ]; then  # session 3 (after staging numpy,model,vllm,fa3,flashinfer,liger): every peer
   ( bench 0 attention 300 benchmarks/bench_decode_attention.py --providers loomnb,fa3,flashinfer,flashinfer_tc,vllm,torch \
