@@ -22,6 +22,8 @@
 #   bash scripts/gpu_session.sh L   # right after K: HF's static-cache compile, notebooks' GPU run
 #   bash scripts/gpu_session.sh M   # the sampling grid (3 vocabularies, fp32 and bf16) and Nsight
 #                                   # Compute of the standalone FP8 quant ops (numpy only)
+#   bash scripts/gpu_session.sh N   # decode attention over the issue's whole grid (--full), with
+#                                   # flex_attention (staged as for K), one geometry per GPU
 #   bash scripts/gpu_session.sh J   # the vLLM A/B (bench_vllm_ab.py --quick), one order per GPU,
 #                                   # after staging with gpu_stage.py --what numpy,vllm-engine
 # Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
@@ -91,6 +93,19 @@ if [ "$part" = M ]; then  # next: what the open issues still lack (numpy only; .
   tar czf "$OUT/session_$part.tgz" -C "$R" .
   for f in "$R"/ncu_*.txt; do echo "== $f"; grep -E "Duration|DRAM Throughput|Compute \(SM\)|Issued Warp|Grid Size|Block Size|Registers Per|Achieved Occ" "$f"; done
   cat "$R/bench_0.log" | cut -c1-200 | tail -20
+  exit 0
+fi
+
+if [ "$part" = N ]; then  # next: decode attention over the issue's whole grid, flex_attention too (staged as K)
+  ( bench 0 attention_full 560 benchmarks/bench_decode_attention.py --full --flashinfer --flex \
+      --providers loomnb,fa3,flashinfer,flashinfer_tc,vllm,torch,flex --geometries 32/8/128 --repeats 7 --target-ms 1 ) &
+  first=$!
+  ( bench 1 attention_full 560 benchmarks/bench_decode_attention.py --full --flashinfer --flex \
+      --providers loomnb,fa3,flashinfer,flashinfer_tc,vllm,torch,flex --geometries 9/3/64 --repeats 7 --target-ms 1 ) &
+  second=$!
+  wait $first $second
+  tar czf "$OUT/session_$part.tgz" -C "$R" .
+  cat "$R/bench_0.log" "$R/bench_1.log" | cut -c1-200 | tail -30
   exit 0
 fi
 
