@@ -268,16 +268,18 @@ def header(metas) -> list[str]:
     return lines
 
 
-def extra_sections(results_dir: Path) -> list[str]:
-    """The newest eager-overhead (bench_overhead.py) and decode-TPOT (bench_decode.py) results."""
+def extra_sections(results_dir: Path, given: dict | None = None) -> list[str]:
+    """The eager-overhead (bench_overhead.py) and decode-TPOT (bench_decode.py) results: the
+    files ``given`` names (``{"overhead": path, "decode": path}``), else the newest of each."""
     def newest_or_none(pattern):
         try:
             return newest(results_dir, pattern)
         except SystemExit:
             return None
 
+    given = given or {}
     lines = []
-    path = newest_or_none("overhead_*.json")
+    path = given.get("overhead") or newest_or_none("overhead_*.json")
     if path is not None:
         data = json.loads(path.read_text())
         cpu = f", host CPU {data['host_cpu']}" if "host_cpu" in data else ""
@@ -291,7 +293,7 @@ def extra_sections(results_dir: Path) -> list[str]:
         if "fast_path_pieces_us" in data:
             lines += ["", "Pieces of loomnb's fast path, timed alone:", "", "| piece | µs |", "|---|---:|"]
             lines += [f"| {name} | {us:.2f} |" for name, us in data["fast_path_pieces_us"].items()]
-    path = newest_or_none("decode_2*.json")  # not decode_attention_*
+    path = given.get("decode") or newest_or_none("decode_2*.json")  # not decode_attention_*
     if path is not None:
         data = json.loads(path.read_text())
         lines += ["", f"### SmolLM2-135M decode step (TPOT) — `{path.name}`", "",
@@ -326,7 +328,19 @@ def main(argv=None) -> Path:
     ap.add_argument("--out-dir", type=Path, help="default: --results-dir")
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
-    files = args.files or _newest_of_each(args.results_dir, args.pattern)
+    given, files = {}, []
+    for f in args.files:  # the decode-step and overhead files have their own sections
+        d = json.loads(Path(f).read_text())
+        kind = "meta" if "meta" in d else "overhead" if "us_per_call" in d else (
+            "decode" if "rows" in d and "model" in d else None)
+        if kind is None:
+            sys.exit(f"{f}: not a result file of a bench_*.py (no 'meta', 'us_per_call' or "
+                     "decode 'rows')")
+        if kind == "meta":
+            files.append(f)
+        else:
+            given[kind] = Path(f)
+    files = files or _newest_of_each(args.results_dir, args.pattern)
     out_dir = args.out_dir or args.results_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     metas, rows = load(files)
@@ -344,7 +358,7 @@ def main(argv=None) -> Path:
         for sel in dict.fromkeys(k[:4] for k in agg):
             plots = [] if args.no_plots else plot(agg, sel, out_dir, copy, fam, x_axis)
             lines += op_section(agg, sel, plots, x_axis)
-    lines += extra_sections(args.results_dir)
+    lines += extra_sections(args.results_dir, given)
     md = out_dir / "SUMMARY.md"
     md.write_text("\n".join(lines) + "\n")
     print(f"wrote {md}" + ("" if args.no_plots else " and plots"))

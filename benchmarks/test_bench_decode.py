@@ -94,6 +94,23 @@ def test_plot_from_a_result_file(tmp_path):
     assert png.endswith("decode_x.png") and Path(png).stat().st_size > 1000
 
 
+def test_summary_of_a_given_decode_file(tmp_path):
+    """``summarize.py DECODE.json`` puts that file in the decode-step section (the family files
+    come from benchmarks/results as usual) instead of failing on its missing ``meta``."""
+    import summarize as S
+    rows = [{"provider": "loomnb-cuda", "mode": "graph", "context": 128, "batch": 1,
+             "tpot_ms": 1.5, "tokens_per_s": 666.0, "order": "forward", "kernels_per_step": 289,
+             "kernels_per_layer": 9, "graph_equals_eager": True}]
+    path = tmp_path / "decode_given.json"
+    path.write_text(json.dumps({"model": "tiny", "steps": 4, "rows": rows}))
+    md = S.main([str(path), "--out-dir", str(tmp_path), "--no-plots"]).read_text()
+    assert "decode step (TPOT) — `decode_given.json`" in md and "| 1.500 | 666 |" in md
+    bad = tmp_path / "other.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit, match="not a result file"):
+        S.main([str(bad), "--out-dir", str(tmp_path), "--no-plots"])
+
+
 def test_kv_memory_arithmetic():
     from loomnb.models.gguf_loader import LlamaConfig
 
