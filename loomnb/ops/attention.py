@@ -7,7 +7,8 @@ per head dimension and token) -- plus the query, the block table row and the out
 noise next to it at any real context. At 32 sequences x 4096 tokens of Llama-3-8B's 8 x 128
 bf16 KV heads that is 537 MB, 127 µs at the H200's ~4.2 TB/s copy rate; one query head per KV
 head would be the same bytes, so GQA's query heads must share each page read (here: up to 4
-per CTA).
+per CTA). Small work is latency instead -- one CTA's instruction path -- and there a CTA serves
+one or two heads and the shared pages meet in L2 (:func:`heads_per_cta`).
 
 Layouts: ``key_cache``/``value_cache`` are strided views with the logical axes ``[num_blocks,
 block_size, num_kv_heads, head_size]``. Every layout of :mod:`loomnb.layouts.paged_kv` is such a
@@ -361,9 +362,9 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens
             None. Must not overlap any input.
         return_lse: also return ``lse``, float32 ``[num_heads, num_seqs]`` (natural log: what
             :func:`merge_attn_states` and vLLM's merge expect).
-        max_seq_len: optional host-side bound of ``seq_lens``: only chooses the splits
-            (:func:`num_splits`; default ``max_blocks * block_size``); a wrong bound is slower,
-            never wrong.
+        max_seq_len: optional host-side bound of ``seq_lens``: only chooses the launch (the
+            splits, :func:`num_splits`, and the heads a CTA, :func:`heads_per_cta`; default
+            ``max_blocks * block_size``); a wrong bound is slower, never wrong.
         lse: optional float32 ``[num_heads, num_seqs]`` output; implies ``return_lse``.
         stream: CUDA stream; default the caller's current stream.
 
