@@ -680,8 +680,10 @@ def parse_args(family: Family, argv=None):
     a = p.add_argument
     a("--out", type=Path, default=results, help="folder for the JSON and CSV (%(default)s)")
     a("--ops", type=csv_list(str, family.ops), default=list(family.ops), help="comma list (default: all)")
-    a("--providers", type=csv_list(str, family.providers), default=list(family.providers),
-      help="comma list, in forward order (default: %(default)s)")
+    a("--providers", type=csv_list(str, family.providers),
+      default=[n for n, p in family.providers.items() if not issubclass(p, TunedProvider)],
+      help="comma list, in forward order (default: %(default)s; the --tune variants only "
+           "when named)")
     a("--" + family.x_axis.replace("_", "-"), type=csv_list(int),
       help=f"default {','.join(map(str, family.x_default))} (--quick: {','.join(map(str, family.x_quick))})")
     for flag, key, default, help_ in family.shape_axes:

@@ -25,11 +25,13 @@ Providers (each skips with a logged reason when it cannot load):
   through ``torch.compile`` (default mode, static shapes);
 * ``liger``: ``LigerSiLUMulFunction`` on the two halves, passed as two contiguous tensors (its
   kernel indexes both halves with the output's row stride); silu_and_mul only.
+* ``loomnb_u2`` (``--tune``): loomnb with ``activation.LARGE_CHUNK_UPT = 2``, i.e. 2 units of 8
+  a thread in the chunked kernels at every size (the default holds 4 from ``LARGE_WORK`` on).
 
 Bytes model: every read tensor once and every written tensor once (``x``; ``out`` in the
 activation dtype or FP8; scales 4 B each). ``dynamic_scaled_fp8_quant`` must read ``x`` twice
 (a global amax first) but is counted once, like every op: its % of copy bandwidth is the
-fraction of a one-pass quantiser's speed (loomnb's second pass walks the rows backwards, so
+fraction of a one-pass quantiser's speed (loomnb's last pass walks the rows backwards, so
 what is left of ``x`` in L2 is read first).
 """
 
@@ -330,8 +332,10 @@ class Liger(H.Provider):
         return partial(self.fn, g, u), lambda r: {"out": r}
 
 
+_A = "loomnb.ops.activation"
+TUNED = [H.tuned(Loomnb, _A, "u2", LARGE_CHUNK_UPT=2)]  # --tune: 2 units a thread at every size
 PROVIDERS = {p.name: p for p in (Loomnb, Vllm, VllmPerBlock, FlashInfer, Torch,
-                                 H.compiled(Torch), Liger)}
+                                 H.compiled(Torch), Liger, *TUNED)}
 
 
 class ActivationFamily(H.Family):
@@ -346,7 +350,7 @@ class ActivationFamily(H.Family):
                    "silu_and_mul and the fused op, [T, d] for the quantisers), out (bf16 or "
                    "fp8), scales 4 B each; dynamic_scaled_fp8_quant reads x twice but is "
                    "counted once")
-    fake = {"loomnb": (2.0, 4100.0), "vllm": (2.8, 3000.0), "vllm_per_block": (4.0, 1000.0),
+    fake = {"loomnb": (2.0, 4100.0), "loomnb_u2": (2.0, 4000.0), "vllm": (2.8, 3000.0), "vllm_per_block": (4.0, 1000.0),
             "flashinfer": (2.8, 3900.0), "torch": (9.0, 1200.0), "torch_compile": (1.3, 4200.0),
             "liger": (2.6, 4100.0)}  # (floor µs, GB/s) for --dry-run
 

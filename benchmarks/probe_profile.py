@@ -41,6 +41,7 @@ def main(argv=None):
     p.add_argument("--num-tokens", type=int, default=4096)
     p.add_argument("--d", type=int, default=11008)
     p.add_argument("--calls", type=int, default=4)
+    p.add_argument("--sampler", default="v1", choices=("v1", "v2"), help="min_p's sampler")
     args = p.parse_args(argv)
     if args.op == "attention":
         import bench_decode_attention as B
@@ -75,7 +76,7 @@ def main(argv=None):
             if args.op == "greedy":
                 loomnb.greedy_sample_logprob(logits)
             else:
-                loomnb.min_p_filter_(logits, min_p)
+                loomnb.min_p_filter_(logits, min_p, args.sampler)
     elif args.op.startswith("quant_"):
         y = torch.randn(args.num_tokens, args.d, dtype=torch.bfloat16, device="cuda")
         quant = {"quant_tensor": loomnb.dynamic_scaled_fp8_quant,

@@ -201,6 +201,16 @@ def test_dry_run_and_summary(tmp_path):
     assert "DRY RUN" in md and "loomnb speedup" in md and "d 11008" in md
 
 
+def test_tuned_variant_sets_a_real_constant(tmp_path):
+    """``--tune --providers loomnb,loomnb_u2`` runs (dry) and names a constant the op module has."""
+    import loomnb.ops.activation as A
+    assert all(hasattr(A, k) for p in B.TUNED for k in p.config)
+    path = B.main(["--dry-run", "--quick", "--tune", "--providers", "loomnb,loomnb_u2",
+                   "--ops", "silu_and_mul", "--out", str(tmp_path)])
+    rows = json.loads(Path(path).read_text())["results"]
+    assert {r["provider"] for r in rows if r["status"] == "ok"} == {"loomnb", "loomnb_u2"}
+
+
 # ---------------------------------------------------------------- GPU benchmark entry points
 @pytest.fixture(scope="module")
 def gpu_env():

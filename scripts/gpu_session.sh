@@ -20,10 +20,11 @@
 #   bash scripts/gpu_session.sh K   # every benchmark with its named peers (FlashInfer too: stage
 #                                   # numpy,model,vllm,fa3,flashinfer,liger), decode step, model tests
 #   bash scripts/gpu_session.sh L   # right after K: HF's static-cache compile, notebooks' GPU run
-#   bash scripts/gpu_session.sh M   # the sampling grid (3 vocabularies, fp32 and bf16) and Nsight
-#                                   # Compute of the standalone FP8 quant ops (numpy only)
-#   bash scripts/gpu_session.sh N   # decode attention over the issue's whole grid (--full), with
-#                                   # flex_attention (staged as for K), one geometry per GPU
+#   bash scripts/gpu_session.sh P   # after staging numpy,vllm,fa3,flashinfer,liger: decode attention
+#                                   # over the issue's whole grid (--full), the activation/sampling/FP8
+#                                   # GPU tests, the activation benchmark (--tune), the fp32 sampling grid
+#   bash scripts/gpu_session.sh Q   # right after P: the bf16 sampling grid, flex_attention, Nsight
+#                                   # Compute of the FP8 quant ops and Min-P V2, notebooks 02 and 05
 #   bash scripts/gpu_session.sh J   # the vLLM A/B (bench_vllm_ab.py --quick), one order per GPU,
 #                                   # after staging with gpu_stage.py --what numpy,vllm-engine
 # Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
@@ -76,36 +77,52 @@ decode_step() {  # decode_step GPU LIMIT PROVIDERS: the graphed decode-step benc
   grep -E "^(forward|reversed) +loomnb" "$R/decode.log" >> "$R/bench_$gpu.log"
 }
 
-if [ "$part" = M ]; then  # next: what the open issues still lack (numpy only; .gpu-stage/np carried)
-  NCU="ncu --clock-control none --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats --section InstructionStats --section MemoryWorkloadAnalysis"
-  ( bench 0 sampling_fp32 280 benchmarks/bench_sampling.py --providers loomnb,torch,torch_compile \
-      --vocab-sizes 49152,128256,151936 --dtype fp32 --repeats 7 --target-ms 1 --tag vocabs_fp32
-    bench 0 sampling_bf16 280 benchmarks/bench_sampling.py --providers loomnb,torch,torch_compile \
-      --vocab-sizes 49152,128256,151936 --dtype bf16 --repeats 7 --target-ms 1 --tag vocabs_bf16 ) &
+if [ "$part" = P ]; then  # session 4, right after the last receive of numpy,vllm,fa3,flashinfer,liger
+  ( bench 0 attention_full_32 280 benchmarks/bench_decode_attention.py --full --flashinfer \
+      --providers loomnb,fa3,flashinfer,flashinfer_tc,vllm,torch --geometries 32/8/128 --repeats 7 --target-ms 1
+    bench 0 attention_full_9 250 benchmarks/bench_decode_attention.py --full --flashinfer \
+      --providers loomnb,fa3,flashinfer,flashinfer_tc,vllm,torch --geometries 9/3/64 --repeats 7 --target-ms 1 ) &
   first=$!
-  ( export CUDA_VISIBLE_DEVICES=1
-    for op in quant_tensor quant_token quant_group; do
-      timeout 60 $NCU -k regex:^kernel python3 benchmarks/probe_profile.py $op > "$R/ncu_$op.txt" 2>&1
-    done
-    timeout 60 $NCU -k regex:^kernel python3 benchmarks/probe_profile.py silu --num-tokens 1 > "$R/ncu_silu_1.txt" 2>&1 ) &
+  ( tests 1 p 150 tests/test_activation_gpu.py tests/test_sampling_gpu.py tests/test_fp8_gpu.py
+    bench 1 activation 180 benchmarks/bench_activation.py --tune --repeats 9 \
+      --providers loomnb,loomnb_u2,vllm,vllm_per_block,flashinfer,torch,torch_compile,liger
+    bench 1 sampling_fp32 190 benchmarks/bench_sampling.py --providers loomnb,torch,torch_compile \
+      --vocab-sizes 49152,128256,151936 --dtype fp32 --repeats 7 --target-ms 1 ) &
   second=$!
   wait $first $second
   tar czf "$OUT/session_$part.tgz" -C "$R" .
-  for f in "$R"/ncu_*.txt; do echo "== $f"; grep -E "Duration|DRAM Throughput|Compute \(SM\)|Issued Warp|Grid Size|Block Size|Registers Per|Achieved Occ" "$f"; done
-  cat "$R/bench_0.log" | cut -c1-200 | tail -20
+  grep -hE "passed|failed|rc=" "$R"/pytest_*.log | tail -3
+  grep -hE "^(FAILED|ERROR) |^E  " "$R"/pytest_*.log | head -20
+  cat "$R/bench_0.log" "$R/bench_1.log" | cut -c1-200 | tail -40
   exit 0
 fi
 
-if [ "$part" = N ]; then  # next: decode attention over the issue's whole grid, flex_attention too (staged as K)
-  ( bench 0 attention_full 560 benchmarks/bench_decode_attention.py --full --flashinfer --flex \
-      --providers loomnb,fa3,flashinfer,flashinfer_tc,vllm,torch,flex --geometries 32/8/128 --repeats 7 --target-ms 1 ) &
+if [ "$part" = Q ]; then  # session 4, after P: bf16 sampling grid, flex_attention, Nsight Compute, notebooks
+  NCU="ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis"
+  ( bench 0 sampling_bf16 190 benchmarks/bench_sampling.py --providers loomnb,torch,torch_compile \
+      --vocab-sizes 49152,128256,151936 --dtype bf16 --repeats 7 --target-ms 1
+    bench 0 attention_flex 200 benchmarks/bench_decode_attention.py --flex --caches bf16 \
+      --providers loomnb,flex --geometries 32/8/128,9/3/64 --batches 1,8,32 --context 16,128,1024,4096 \
+      --repeats 5 --target-ms 1 --tag flex ) &
   first=$!
-  ( bench 1 attention_full 560 benchmarks/bench_decode_attention.py --full --flashinfer --flex \
-      --providers loomnb,fa3,flashinfer,flashinfer_tc,vllm,torch,flex --geometries 9/3/64 --repeats 7 --target-ms 1 ) &
+  ( export CUDA_VISIBLE_DEVICES=1
+    # one call's every launch after a warm-up call: 3 for the per-tensor quant, 1 for the others
+    timeout 45 $NCU --launch-skip 3 --launch-count 3 -k regex:^kernel python3 benchmarks/probe_profile.py quant_tensor > "$R/ncu_quant_tensor.txt" 2>&1
+    for op in quant_token quant_group; do
+      timeout 40 $NCU --launch-skip 2 --launch-count 1 -k regex:^kernel python3 benchmarks/probe_profile.py $op > "$R/ncu_$op.txt" 2>&1
+    done
+    timeout 40 $NCU --launch-skip 2 --launch-count 1 -k regex:^kernel python3 benchmarks/probe_profile.py silu --num-tokens 1 > "$R/ncu_silu_1.txt" 2>&1
+    timeout 40 $NCU --launch-skip 4 --launch-count 2 -k regex:^kernel python3 benchmarks/probe_profile.py min_p --sampler v2 --num-rows 128 > "$R/ncu_min_p_v2_128.txt" 2>&1
+    timeout 200 python3 scripts/run_notebooks.py --gpu --out "$R/notebooks" notebooks/02_activation_fp8.ipynb \
+      notebooks/05_logprob_tail.ipynb > "$R/notebooks.log" 2>&1
+    echo "notebooks rc=$?" >> "$R/notebooks.log"
+    memcheck 1 45 tests/test_activation_gpu.py "d3420 or special or all_zero or strided or replays" ) &
   second=$!
   wait $first $second
   tar czf "$OUT/session_$part.tgz" -C "$R" .
-  cat "$R/bench_0.log" "$R/bench_1.log" | cut -c1-200 | tail -30
+  for f in "$R"/ncu_*.txt; do echo "== $f"; grep -E "Duration|DRAM Throughput|Compute \(SM\)|Issued Warp|Grid Size|Block Size|Registers Per|Achieved Occ|No Eligible" "$f"; done
+  tail -3 "$R/notebooks.log"; grep -hE "rc=|ERROR SUMMARY" "$R"/memcheck_*.log | tail -4
+  cat "$R/bench_0.log" | cut -c1-200 | tail -30
   exit 0
 fi
 

@@ -378,16 +378,21 @@ def test_cuda_graph_with_allocated_outputs():
 
 def test_eager_fast_path_replays_one_and_two_launches():
     """A repeated call replays the remembered launch(es): no new miss, new allocations each
-    time, results on the current contents -- the per-tensor quant replays both of its passes."""
+    time, results on the current contents -- the per-tensor quant replays every one of its
+    launches: two for a small tensor (one amax block), three for a larger one (partials)."""
     x = rand((8, 2 * 576), "bf16", 3.0, seed=6)
+    xl = rand((32, 2304), "bf16", 3.0, seed=8)  # 9,216 units of 8: partial maxima
     loomnb.ops.clear_launch_cache()
     loomnb.silu_and_mul(x)
     loomnb.dynamic_scaled_fp8_quant(x)
+    loomnb.dynamic_scaled_fp8_quant(xl)
     loomnb.per_token_group_quant_fp8(x, 64, column_major_scales=True)
     info = loomnb.ops.launch_cache_info()
     x.copy_(rand((8, 2 * 576), "bf16", 5.0, seed=7))
     outs = [loomnb.silu_and_mul(x) for _ in range(2)]
+    xl.copy_(rand((32, 2304), "bf16", 0.5, seed=9))
     pts = [loomnb.dynamic_scaled_fp8_quant(x) for _ in range(2)]
+    pls = [loomnb.dynamic_scaled_fp8_quant(xl) for _ in range(2)]
     gqs = [loomnb.per_token_group_quant_fp8(x, 64, column_major_scales=True) for _ in range(2)]
     assert loomnb.ops.launch_cache_info() == info, "replayed: no new miss, nothing new stored"
     assert outs[0].data_ptr() != outs[1].data_ptr() and pts[0][1].data_ptr() != pts[1][1].data_ptr()
@@ -396,6 +401,10 @@ def test_eager_fast_path_replays_one_and_two_launches():
     for q, s in pts:
         assert to_np(s)[0] == so[0]
         assert_fp8_codes(to_np(q), qo, (0, 0.0), "replayed per-tensor")
+    qo, so = loomnb.oracle.dynamic_scaled_fp8_quant(to_np(xl))
+    for q, s in pls:
+        assert to_np(s)[0] == so[0]
+        assert_fp8_codes(to_np(q), qo, (0, 0.0), "replayed per-tensor, three launches")
     qo, so = loomnb.oracle.per_token_group_quant_fp8(to_np(x), 64, column_major_scales=True)
     for q, s in gqs:
         assert s.stride() == (1, 8) and np.array_equal(to_np(s), so)

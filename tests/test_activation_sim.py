@@ -110,9 +110,30 @@ def test_out_untouched_outside_the_view():
     assert (big[:, :8].astype(np.float32) == 5).all() and (big[:, 24:].astype(np.float32) == 5).all()
 
 
+
+@pytest.mark.parametrize("kind", ["bf16", "f32"])
+@pytest.mark.parametrize("blocks, one_block", [(2, 0), (512, 0)])
+@pytest.mark.parametrize("num_tokens, d", [(9, 64), (3, 19), (5, 520)])
+def test_dynamic_per_tensor_partials(monkeypatch, kind, blocks, one_block, num_tokens, d):
+    """The three-launch path of the dynamic per-tensor quant at simulator shapes: partial maxima
+    over several blocks (each folding several rows when ``AMAX_BLOCKS`` is small, four at a
+    time), the one-block pass that turns them into the scale, then the quant; the maximum sits
+    in the last row, past a NaN."""
+    monkeypatch.setattr(act_ops, "AMAX_BLOCKS", blocks)
+    monkeypatch.setattr(act_ops, "AMAX_ONE_BLOCK", one_block)
+    rng = np.random.default_rng(d)
+    x = random_rows(rng, num_tokens, d, kind, 2.0)
+    x[-1, -1] = 40.0
+    x[0, 1] = np.nan
+    (q, s), (qo, so), _, _ = call_both("dynamic_scaled_fp8_quant", x)
+    assert s[0] == np.float32(40.0) / np.float32(448.0)
+    assert_same(s, so, "per-tensor scale")
+    assert_same(q, qo, "per-tensor codes")
+
+
 # ---------------------------------------------------------------- FP8 quantisation
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("num_tokens, d", [(1, 8), (3, 19), (2, 256)])
+@pytest.mark.parametrize("num_tokens, d", [(1, 8), (3, 19), (2, 256), (9, 64)])
 def test_static_dynamic_and_per_token_quant(kind, num_tokens, d):
     rng = np.random.default_rng(7 * d)
     x = random_rows(rng, num_tokens, d, kind, 3.0)
@@ -296,6 +317,34 @@ def test_block_size_sweep(name, args):
             assert_same(g, w, what)
 
     block_size_sweep(lambda: getattr(loomnb, name)(x, *args), check, threads=(32, 64, 256))
+
+
+@pytest.mark.parametrize("name, args", [("silu_and_mul", ()), ("gelu_and_mul", ()),
+                                        ("per_token_group_quant_fp8", (64,)),
+                                        ("per_token_group_quant_fp8", (128,)),
+                                        ("static_scaled_fp8_quant", (SCALE,)),
+                                        ("dynamic_scaled_fp8_quant", ())])
+@pytest.mark.parametrize("layout", ["vector", "scalar"])
+def test_chunked_sinks_with_four_units_a_thread(monkeypatch, name, args, layout):
+    """The large-call form of every chunked sink (4 units of 8 a thread, ``chunk_upt``) at
+    simulator shapes: 32 threads, so a row of 144 units is two chunks and the second is partial;
+    the element-wise layout for rows that are not 16-byte aligned."""
+    monkeypatch.setattr(act_ops, "LARGE_WORK", 0)
+    rng = np.random.default_rng(23)
+    gated = name.startswith(("silu", "gelu"))
+    d = 1152  # 144 units: a chunk of 32 x 4 and one of 16
+    n = 2 * d if gated else d
+    buf = random_rows(rng, 3, n + 8, "bf16", 3.0)
+    x = buf[:, :n] if layout == "vector" else buf[:, 1:n + 1]
+    specs, launch = [], L.launch
+    monkeypatch.setattr(L, "launch", lambda f, spec, *a, **k: (specs.append(spec), launch(f, spec, *a, **k)))
+    want = getattr(loomnb.oracle, name)(np.ascontiguousarray(x), *args)
+    with L.force_threads(32):
+        got = getattr(loomnb, name)(x, *args)
+    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        assert_same(g, w, f"{name} upt=4 {layout}")
+    assert [s.layout for s in specs if s.quant != "amax"] == [layout]
+    assert [s.upt for s in specs if s.quant != "amax"] == [4], specs
 
 
 @pytest.mark.parametrize("threads, d, upt", [(64, 512, 2), (32, 1024, 4), (32, 1032, 0)])

@@ -74,8 +74,10 @@ def _activation_checks(spec, ptx):
         assert "shfl.sync.bfly.b32" in ptx, "group amax over 8 or 16 lanes"
         assert "bar.sync" not in ptx, "group quant needs no block barrier"
         assert ("cvt.rpi.f32.f32" in ptx) == spec.ue8m0, "UE8M0: ceilf of libdevice log2f"
-    if spec.quant in ("token", "tensor", "amax"):
+    if spec.quant in ("token", "amax"):
         assert "bar.sync" in ptx and "shfl.sync.bfly.b32" in ptx, "block reduction"
+    if spec.quant in ("static", "tensor", "none"):
+        assert "bar.sync" not in ptx, "an elementwise sink needs no barrier"
     if spec.quant in ("token", "group"):
         assert "div.rn.f32" in ptx, "per-token/group quant divide (IEEE, via div_rn)"
 

@@ -158,11 +158,16 @@ def test_v1_counts_logits_whose_logprobs_round_equal():
 
 # ---------------------------------------------------------------- Min-P
 @pytest.mark.parametrize("sampler", ["v1", "v2"])
-@pytest.mark.parametrize("splits, vocab", [(1, 37), (3, 64)])
+@pytest.mark.parametrize("splits, vocab", [(1, 37), (3, 64), (1, 1104), (2, 1104)])
 def test_min_p_filter(sampler, splits, vocab):
+    """(1, 1104): 276 units of 4 over 32 threads, 4 units a thread in flight, the last round
+    partial; the maximum sits in it (row 0), past a NaN (row 3)."""
     rng = np.random.default_rng(vocab)
     x = logits(rng, 4, vocab, scale=2.0)
     x[1, 7] = -np.inf
+    if vocab > 1000:
+        x[0, vocab - 3] = 9.0
+        x[3, 5] = np.nan
     mp = np.array([0.05, 0.2, 0.0, 1.0], np.float32)
     got, want = x.copy(), x.copy()
     out = run(splits, 32, lambda: loomnb.min_p_filter_(got, mp, sampler))

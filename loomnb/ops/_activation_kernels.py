@@ -8,13 +8,16 @@ Every op of the family is one elementwise *source* followed by one *sink*:
   compute ``y = r(f(r(act(g))) * f(u))`` in float32 (``numerics="per_block"``: vLLM's fused
   ``silu_and_mul_per_block_quant``, ``y = (g * (1/(1 + expf(-g)))) * u`` with no rounding);
 * sink (``quant``): ``"none"`` stores ``y`` as T; ``"static"`` stores ``e4m3(clamp(y * (1/s)))``
-  with ``s = scale[0]``; ``"tensor"`` does the same with ``s = max(partials)/448`` (the second
-  pass of the dynamic per-tensor quant, which also writes ``s`` to ``scale[0]``); ``"token"``
+  with ``s = scale[0]``; ``"tensor"`` is ``"static"`` walking the rows backwards (the
+  last pass of the dynamic per-tensor quant: the rows its amax pass read last come first);
+  ``"token"``
   reduces the row's amax over the block, ``s = max(min(amax, ub)/448, 1/(448*512))``, stores
   ``e4m3(clamp(y / s))``; ``"group"`` reduces each group of ``group`` elements over the
   ``group/8`` lanes that hold it (warp shuffles), ``s = max(eps, amax)/448`` (UE8M0: rounded up
   to a power of two), stores ``e4m3(clamp_nan_low(y / s))``; ``"amax"`` (the first pass of the
-  dynamic per-tensor quant) only writes each block's ``max|y|`` to ``partials``.
+  dynamic per-tensor quant) only writes each block's ``max|y|`` to ``partials`` -- or, when the
+  grid is one block, ``scale[0] = max|y| / 448`` itself (one block over the partials, read as a
+  float32 row, is the middle pass that turns them into the scale).
 
 Threads work on *units* of 8 consecutive output elements (16 bytes of bf16/fp16, 32 of fp32,
 8 FP8 codes). Layout ``"vector"`` (rows 16-byte aligned, d a multiple of 8) moves a unit with
@@ -23,7 +26,7 @@ element at a time (any alignment, any d: the last unit may be partial). Thread `
 ``(row, c)`` owns units ``c*T*upt + t + j*T``, ``j < upt``, so a 64- or 128-element group is 8
 or 16 consecutive lanes. Chunked sinks (none, static, tensor, group) split a row over
 ``chunks = ceil(units / (T*upt))`` blocks of a 1-D grid in row-major order (block ``b`` is row
-``b // chunks``; the per-tensor second pass walks it backwards, so the rows its first pass read
+``b // chunks``; the per-tensor last pass walks it backwards, so the rows its amax pass read
 last, still in L2, come first); ``"token"`` needs the whole row in one block: ``upt`` units a thread held
 in registers (all loads in flight), or ``upt = 0`` for rows too long for that: loop, reduce,
 loop again (the second read mostly hits L1/L2).
@@ -54,7 +57,7 @@ from .._numba_internals import SIM, device
 from ..layouts.dtypes import bits_f32, e4m3_to_f32, f32_bits, f32_to_e4m3, pack_e4m3x2
 from . import _launch as L
 from ._fp8 import clamp_fp8, clamp_fp8_nan_low, div_rn, scale_from_amax, ue8m0
-from ._reduce import REDUCE_SCRATCH, block_max, fmax_nan, fmin_nan, group_reduce
+from ._reduce import REDUCE_SCRATCH, block_max, fmax_nan, fmaxf, fmin_nan, group_reduce
 from ._vector import CODECS, load_u32x4, store_u32x2, store_u32x4
 
 ACTS = ("none", "silu", "mul_silu", "gelu", "gelu_tanh", "fatrelu", "swigluoai")
@@ -63,8 +66,10 @@ QUANTS = ("none", "static", "tensor", "token", "group", "amax")
 NUMERICS = ("unfused", "per_block")
 GROUP_SIZES = (64, 128)
 UNIT = 8                # output elements per unit
-CHUNK_UPT = 2           # units a thread holds in the chunked sinks
+CHUNK_UPTS = (2, 4)     # units a thread holds in the chunked sinks (4: large calls)
+CHUNK_UPT = CHUNK_UPTS[0]
 TOKEN_UPT = (2, 4)      # units a thread holds in the register-cached per-token sink (0: reread)
+AMAX_UPT = 4            # rows whose units a thread of the amax pass has in flight at once
 KINDS = ("bf16", "f16", "f32")
 
 F32 = np.float32
@@ -99,9 +104,16 @@ class ActSpec:
         if self.quant == "token":
             assert self.upt in TOKEN_UPT + (0,) and (self.upt or True)
         elif self.quant == "amax":
-            assert self.upt == 1
+            assert self.upt == AMAX_UPT
         else:
-            assert self.upt == CHUNK_UPT
+            assert self.upt in chunk_upts(self)
+
+
+def chunk_upts(spec):
+    """The widths a chunked sink of ``spec`` compiles at: 2 and 4 units a thread, except the
+    fused gated group quant (two halves of 4 units are more values than a thread's registers
+    hold: at 4, numba's arrays spill to local memory)."""
+    return CHUNK_UPTS[:1] if spec.act != "none" and spec.quant == "group" else CHUNK_UPTS
 
 
 def argtypes(spec):
@@ -408,7 +420,7 @@ def _units(spec):
     Q, UPT = spec.quant, spec.upt
     NS, NW = UNIT * UPT, words_per_unit(spec) * UPT
     GW = spec.group // UNIT if Q == "group" else 1  # lanes a group spans
-    gmax = group_reduce(fmax_nan, GW) if Q == "group" else None
+    gmax = group_reduce(fmaxf, GW) if Q == "group" else None
     UE8M0, UB, PER_BLOCK = spec.ue8m0, spec.scale_ub, spec.numerics == "per_block"
     TOKEN, TENSOR = Q == "token", Q == "tensor"
 
@@ -424,20 +436,13 @@ def _units(spec):
         chunks = max((nu + nt * UPT - 1) // (nt * UPT), 1)
         blk = uint32(cuda.blockIdx.x)
         inv = ONE
-        if Q == "static":
+        if Q == "static" or TENSOR:
             inv = ONE / scale[0]
-        elif TENSOR:  # every block reduces the first pass's partial maxima (a few hundred)
-            a = ZERO
-            for i in range(tid, partials.shape[0], nt):
-                a = fmax_nan(a, partials[i])
-            s = block_max(a, sm) / FP8_MAX
-            if blk == 0 and tid == 0:
-                scale[0] = s
-            inv = ONE / s
+        if TENSOR:
             blk = uint32(uint32(cuda.gridDim.x) - uint32(1) - blk)  # last rows first (in L2)
         row = int64(blk // uint32(chunks))  # 32-bit division; int64 from here on
         chunk = int64(blk) - row * chunks
-        if row < int64(x.shape[0]) * int64(x.shape[1]):  # (the per-tensor grid has a block for an empty x)
+        if row < int64(x.shape[0]) * int64(x.shape[1]):
             i0, i1 = _row_view(x, row)
             xr, orow = x[i0, i1], out[i0, i1]
             first = int64(chunk) * nt * UPT + tid
@@ -454,8 +459,8 @@ def _units(spec):
                     decode(wv, gv, uv, j)
                     act8(gv, uv, o, p0, p1)
                     for k in range(UNIT):
-                        ga = fmax_nan(ga, abs(gv[o + k]))
-                    amax = fmax_nan(amax, ga)
+                        ga = fmaxf(ga, abs(gv[o + k]))
+                    amax = fmaxf(amax, ga)
                 if Q == "group":  # every lane of the warp takes part, in range or not
                     ga = gmax(ga)
                     if PER_BLOCK:
@@ -517,7 +522,7 @@ def _token_loop(spec):
             fetch(wv, gv, uv, 0, xr, u << 3, d)
             decode(wv, gv, uv, 0)
             for k in range(UNIT):
-                amax = fmax_nan(amax, abs(gv[k]))
+                amax = fmaxf(amax, abs(gv[k]))
         s = scale_from_amax(block_max(amax, sm), scale[0] if UB else ZERO, UB)
         if tid == 0:
             scales[row, 0] = s
@@ -534,11 +539,13 @@ def _token_loop(spec):
 
 
 def _amax(spec):
-    """First pass of the dynamic per-tensor quant: block ``(bx, by)`` folds ``max|x|`` over rows
-    ``bx, bx + gx, ...`` and units ``by*T + t, ... (step gy*T)``, and writes it to
-    ``partials[by*gx + bx]`` (every slot is written: no zeroing, no atomics, deterministic)."""
+    """First pass of the dynamic per-tensor quant: block ``(bx, by)`` folds ``max|x|`` over units
+    ``by*T + t, ...`` (step ``gy*T``) of rows ``bx, bx + gx, ...``, ``upt`` rows at a time with
+    every load in flight, and writes it to ``partials[by*gx + bx]`` (every slot is written: no
+    zeroing, no atomics, deterministic). A grid of one block writes ``scale[0] = max / 448``
+    instead: the whole amax of a small tensor, or the middle pass over the partials."""
     fetch, decode, _, _ = _io(spec)
-    NW = words_per_unit(spec)
+    NW, NS, UPT = words_per_unit(spec) * spec.upt, UNIT * spec.upt, spec.upt
 
     def kernel(out, x, scales, scale, partials, p0, p1, d):
         tid = cuda.threadIdx.x
@@ -546,22 +553,30 @@ def _amax(spec):
         gx = cuda.gridDim.x
         gy = cuda.gridDim.y
         wv = cuda.local.array(NW, uint32)
-        gv = cuda.local.array(UNIT, float32)
-        uv = cuda.local.array(UNIT, float32)
+        gv = cuda.local.array(NS, float32)
+        uv = cuda.local.array(NS, float32)
         sm = cuda.shared.array(REDUCE_SCRATCH, float32)
         nu = (d + (UNIT - 1)) >> 3
+        rows = int64(x.shape[0]) * x.shape[1]
         amax = ZERO
-        for row in range(int64(cuda.blockIdx.x), int64(x.shape[0]) * x.shape[1], gx):
-            i0, i1 = _row_view(x, row)
-            xr = x[i0, i1]
+        for r0 in range(int64(cuda.blockIdx.x), rows, int64(gx) * UPT):
             for u in range(int64(cuda.blockIdx.y) * nt + tid, nu, int64(gy) * nt):
-                fetch(wv, gv, uv, 0, xr, u << 3, d)
-                decode(wv, gv, uv, 0)
-                for k in range(UNIT):
-                    amax = fmax_nan(amax, abs(gv[k]))
+                for j in range(UPT):  # every row's load in flight before any is folded
+                    row = r0 + j * gx
+                    if row < rows:
+                        i0, i1 = _row_view(x, row)
+                        fetch(wv, gv, uv, j, x[i0, i1], u << 3, d)
+                for j in range(UPT):
+                    if r0 + j * gx < rows:
+                        decode(wv, gv, uv, j)
+                        for k in range(UNIT):
+                            amax = fmaxf(amax, abs(gv[UNIT * j + k]))
         amax = block_max(amax, sm)
         if tid == 0:
-            partials[int64(cuda.blockIdx.y) * gx + cuda.blockIdx.x] = amax
+            if gx * gy == 1:
+                scale[0] = amax / FP8_MAX
+            else:
+                partials[int64(cuda.blockIdx.y) * gx + cuda.blockIdx.x] = amax
 
     kernel.__name__ = _name(spec)
     return kernel
@@ -618,7 +633,7 @@ def op_specs():
                 specs.append(ActSpec(kind, "none", "group", group=g, ue8m0=ue))
             specs.append(ActSpec(kind, "silu", "group", numerics="per_block", group=g))
         specs += [ActSpec(kind, "none", "static"), ActSpec(kind, "none", "tensor"),
-                  ActSpec(kind, "none", "amax", upt=1)]
+                  ActSpec(kind, "none", "amax", upt=AMAX_UPT)]
         specs += [ActSpec(kind, "none", "token", scale_ub=ub, upt=TOKEN_UPT[0]) for ub in (False, True)]
     return specs
 
@@ -633,8 +648,10 @@ def variants():
         for layout in ("vector", "scalar"):
             if base.quant == "token":
                 widths = (TOKEN_UPT + (0,)) if layout == "vector" else (0,)
-            else:
+            elif base.quant == "amax":
                 widths = (base.upt,)
+            else:
+                widths = chunk_upts(base)
             for upt in widths:
                 spec = dataclasses.replace(base, layout=layout, upt=upt)
                 out.append((act_quant_kernel, spec, argtypes(spec)))

@@ -70,7 +70,7 @@ else:
         ``tests/test_fp8_gpu.py`` checks it against IEEE division, signed zeros included."""
         q = a * rb
         r = cuda.fma(-q, b, a)
-        if r == float32(0) or r != r:  # exact, or b / q infinite or zero (no correction)
+        if not abs(r) > float32(0):  # r zero (q exact) or NaN (b or q infinite or zero)
             return q
         return cuda.fma(r, rb, q)
 

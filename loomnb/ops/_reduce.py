@@ -63,7 +63,18 @@ def fmin_nan(a, b):
     return a
 
 
-IDENTITY = {fadd: 0.0, fmax_nan: -math.inf, fmin_nan: math.inf}
+if SIM:
+    fmaxf = fmax_nan
+else:
+    from numba.cuda import libdevice
+
+    @device
+    def fmaxf(a, b):
+        """:func:`fmax_nan` in one instruction (``max.f32``); a zero result may differ from it in
+        sign only, so it serves folds of magnitudes (an amax)."""
+        return libdevice.fmaxf(a, b)
+
+IDENTITY = {fadd: 0.0, fmax_nan: -math.inf, fmin_nan: math.inf, fmaxf: -math.inf}
 
 
 def _offsets(width, stride):

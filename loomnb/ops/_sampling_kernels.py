@@ -54,8 +54,8 @@ from numba import cuda, float32, float64, int32, int64, uint32
 from .._numba_internals import device
 from ..layouts.dtypes import bits_f32
 from . import _launch as L
-from ._reduce import (REDUCE_SCRATCH, block_argmax, block_sum64, fadd, fmax_nan, fmin_nan,
-                      group_reduce)
+from ._reduce import (REDUCE_SCRATCH, block_argmax, block_max, block_sum64, fadd, fmax_nan,
+                      fmaxf, fmin_nan, group_reduce)
 from ._vector import CODECS, load_u32x4, store_u32x4
 
 MAX_LOGPROBS = 20          # vLLM's default max_logprobs: top-k lists hold this many
@@ -68,6 +68,7 @@ SAMPLERS = ("v1", "v2")
 LAYOUTS = ("scalar", "vec")
 UNIT = {"f32": 4, "bf16": 8}  # values per 16-byte unit
 NEG_INF_BITS = 0xFF800000
+MIN_P_UPT = 4  # 16-byte units a thread of Min-P has in flight (mask pass; V2's max pass)
 
 
 @dataclass(frozen=True)
@@ -521,6 +522,7 @@ def min_p_kernel(spec):
     """The ``@cuda.jit`` function of ``spec``. Parameters: ``logits [R, V] fp32 (words in vec),
     min_p [R] f32, ws_f [P, NF] f64, V, splits, chunk``."""
     V1, MASK = spec.sampler == "v1", spec.phase == "mask"
+    WV = 4 * MIN_P_UPT
     step = _stepper(False, False, False, sumexp=V1)
     walk, one = _row_walker("f32", spec.layout, step, sumexp=V1)
     block_state = _block_state((False, False, V1, False))
@@ -545,12 +547,33 @@ def min_p_kernel(spec):
         sf = cuda.shared.array((3, 32), float32)
         sd = cuda.shared.array(32, float64)
         si = cuda.shared.array((5, 32), int64)
+        sm = cuda.shared.array(REDUCE_SCRATCH, float32)
         lv = cuda.local.array(1, float32)
         li = cuda.local.array(1, int64)
         lo = split * chunk
         hi = lo + chunk
         if hi > V:
             hi = V
+        wv = cuda.local.array(WV, uint32)
+        if VEC and not MASK and not V1:  # V2 needs the largest non-NaN value only
+            u1 = hi // 4
+            m = float32(-math.inf)
+            for ub in range(lo // 4 + tid, u1, MIN_P_UPT * nt):
+                for j in range(MIN_P_UPT):  # every load in flight before any is folded
+                    if ub + j * nt < u1:
+                        w = load_u32x4(lr, (ub + j * nt) << 2)
+                        for k in range(4):
+                            wv[4 * j + k] = w[k]
+                    else:
+                        for k in range(4):
+                            wv[4 * j + k] = uint32(NEG_INF_BITS)
+                for k in range(4 * MIN_P_UPT):
+                    m = fmaxf(m, bits_f32(wv[k]))
+            m = block_max(m, sm)
+            if tid == 0:
+                ws_f[row * splits + split, F_M] = m
+                ws_f[row * splits + split, F_S] = float64(0)
+            return
         if not MASK:
             st = walk(lr, lo, hi, _IDENTITY, float32(0), lv, li, False)
             st = block_state(st, sf, sd, si)
@@ -575,17 +598,26 @@ def min_p_kernel(spec):
         else:
             thr = float32(m + float32(math.log(float64(mp))))
         if VEC:
-            for u in range(lo // 4 + tid, hi // 4, nt):
-                w = load_u32x4(lr, u << 2)
-                k0 = masked(bits_f32(w[0]), m, S32, thr)
-                k1 = masked(bits_f32(w[1]), m, S32, thr)
-                k2 = masked(bits_f32(w[2]), m, S32, thr)
-                k3 = masked(bits_f32(w[3]), m, S32, thr)
-                if k0 or k1 or k2 or k3:  # a unit with a masked element is written whole
-                    store_u32x4(lr, u << 2, (uint32(NEG_INF_BITS) if k0 else w[0],
-                                             uint32(NEG_INF_BITS) if k1 else w[1],
-                                             uint32(NEG_INF_BITS) if k2 else w[2],
-                                             uint32(NEG_INF_BITS) if k3 else w[3]))
+            u1 = hi // 4
+            for ub in range(lo // 4 + tid, u1, MIN_P_UPT * nt):
+                for j in range(MIN_P_UPT):  # every load in flight before any is tested
+                    if ub + j * nt < u1:
+                        w = load_u32x4(lr, (ub + j * nt) << 2)
+                        for k in range(4):
+                            wv[4 * j + k] = w[k]
+                for j in range(MIN_P_UPT):
+                    u = ub + j * nt
+                    if u < u1:
+                        w0, w1, w2, w3 = wv[4 * j], wv[4 * j + 1], wv[4 * j + 2], wv[4 * j + 3]
+                        k0 = masked(bits_f32(w0), m, S32, thr)
+                        k1 = masked(bits_f32(w1), m, S32, thr)
+                        k2 = masked(bits_f32(w2), m, S32, thr)
+                        k3 = masked(bits_f32(w3), m, S32, thr)
+                        if k0 or k1 or k2 or k3:  # a unit with a masked element is written whole
+                            store_u32x4(lr, u << 2, (uint32(NEG_INF_BITS) if k0 else w0,
+                                                     uint32(NEG_INF_BITS) if k1 else w1,
+                                                     uint32(NEG_INF_BITS) if k2 else w2,
+                                                     uint32(NEG_INF_BITS) if k3 else w3))
         else:
             for i in range(lo + tid, hi, nt):
                 if masked(lr[i], m, S32, thr):

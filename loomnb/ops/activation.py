@@ -40,8 +40,8 @@ from .._dtypes import ACTIVATION_KINDS
 from ..checks import check_eps, check_kind, check_same_device
 from . import _contract as C
 from . import _launch as L
-from ._activation_kernels import (CHUNK_UPT, DEQUANT_EPT, GROUP_SIZES, NUMERICS, TOKEN_UPT, UNIT,
-                                  ActSpec, DequantSpec, act_quant_kernel, dequant_kernel)
+from ._activation_kernels import (AMAX_UPT, CHUNK_UPTS, DEQUANT_EPT, chunk_upts, GROUP_SIZES, NUMERICS,
+                                  TOKEN_UPT, UNIT, ActSpec, DequantSpec, act_quant_kernel, dequant_kernel)
 from ._torch_ops import torch_op
 
 __all__ = ["silu_and_mul", "mul_and_silu", "gelu_and_mul", "gelu_tanh_and_mul", "fatrelu_and_mul",
@@ -54,8 +54,11 @@ CHUNK_THREADS = 128      # threads of a chunked block (large batches)
 SMALL_CHUNK_THREADS = 64  # ... when the whole call is a few blocks' work (latency-bound)
 SMALL_WORK = 132 * 256    # units of 8 outputs under which a call counts as small
 SMALL_BATCH = 256         # rows under which the per-token quant prefers 2 units a thread
+LARGE_WORK = 2 ** 20      # units of 8 outputs from which a chunked thread holds 4 units, not 2
+LARGE_CHUNK_UPT = CHUNK_UPTS[1]
 AMAX_THREADS = 256        # threads of a block of the dynamic per-tensor amax pass
-AMAX_BLOCKS = 512         # at most this many partial maxima (the second pass reduces them all)
+AMAX_BLOCKS = 512         # at most this many partial maxima (one block reduces them all)
+AMAX_ONE_BLOCK = 2048     # units of 8 elements up to which one block does the whole amax
 MAX_BLOCKS = 2 ** 31 - 1  # gridDim.x
 DEQUANT_THREADS = 128
 
@@ -64,14 +67,26 @@ def _ceil32(n):
     return max(32, -(-n // 32) * 32)
 
 
-def chunk_config(num_rows, units, threads=None):
-    """(threads, chunks) of the chunked kernels: a block covers ``threads * 2`` units of 8
-    outputs of one row, ``chunks`` blocks a row (a 1-D grid of ``num_rows * chunks`` blocks;
-    the kernel derives ``chunks`` from ``d`` and the block size the same way)."""
+def chunk_upt(num_rows, units, spec=None):
+    """Units of 8 outputs a thread of the chunked kernels holds: 2, or ``LARGE_CHUNK_UPT`` (4)
+    from ``LARGE_WORK`` units on (a GPU's worth of 512-unit blocks: each thread's fixed cost --
+    row and chunk arithmetic, addresses -- spread over 32 elements, not 16) where ``spec``
+    compiles at that width (``chunk_upts``)."""
+    if num_rows * units >= LARGE_WORK and (spec is None or LARGE_CHUNK_UPT in chunk_upts(spec)):
+        return LARGE_CHUNK_UPT
+    return CHUNK_UPTS[0]
+
+
+def chunk_config(num_rows, units, threads=None, spec=None):
+    """(threads, chunks) of the chunked kernels: a block covers ``threads * upt`` units of 8
+    outputs of one row (``upt`` from :func:`chunk_upt`), ``chunks`` blocks a row (a 1-D grid
+    of ``num_rows * chunks`` blocks; the kernel derives ``chunks`` from ``d``, the block size
+    and ``upt`` the same way)."""
+    upt = chunk_upt(num_rows, units, spec)
     if threads is None:
         want = SMALL_CHUNK_THREADS if num_rows * units <= SMALL_WORK else CHUNK_THREADS
-        threads = min(want, _ceil32(-(-units // CHUNK_UPT)))
-    return threads, max(1, -(-units // (threads * CHUNK_UPT)))
+        threads = min(want, _ceil32(-(-units // upt)))
+    return threads, max(1, -(-units // (threads * upt)))
 
 
 def token_config(num_rows, units, vector, threads=None):
@@ -92,8 +107,11 @@ def token_config(num_rows, units, vector, threads=None):
 
 def amax_config(num_rows, units, threads=None):
     """(threads, grid) of the dynamic per-tensor amax pass: at most ``AMAX_BLOCKS`` blocks
-    (each folds a strided share of rows x units into one partial maximum)."""
+    (each folds a strided share of rows x units into one partial maximum), or one block for a
+    tensor of at most ``AMAX_ONE_BLOCK`` units (it writes the scale itself)."""
     threads = threads or AMAX_THREADS
+    if num_rows * units <= AMAX_ONE_BLOCK:
+        return threads, (1, 1)
     gy = max(1, min(-(-units // threads), AMAX_BLOCKS))
     gx = max(1, min(num_rows, AMAX_BLOCKS // gy))
     return threads, (gx, gy)
@@ -167,13 +185,13 @@ def _chunked(op, spec, lead, ov, xv, d, stream, key, **kw):
     rows = _num(lead)
     if rows == 0 or d == 0:
         return
-    fp8 = spec.quant != "none"
-    vec = _vector_ok(ov, xv, d, fp8)
-    spec = dataclasses.replace(spec, layout="vector" if vec else "scalar")
+    vec = _vector_ok(ov, xv, d, spec.quant != "none")
     units = -(-d // UNIT)
-    threads, chunks = chunk_config(rows, units, L.forced_threads())
+    threads, chunks = chunk_config(rows, units, L.forced_threads(), spec)
+    upt = chunk_upt(rows, units, spec)
+    spec = dataclasses.replace(spec, layout="vector" if vec else "scalar", upt=upt)
     if rows * chunks > MAX_BLOCKS:
-        C.fail_value(op, "x", f"at most {MAX_BLOCKS} blocks of {threads * CHUNK_UPT * UNIT} "
+        C.fail_value(op, "x", f"at most {MAX_BLOCKS} blocks of {threads * upt * UNIT} "
                      "elements", f"{rows} rows of {d}")
     _launch(op, spec, lead, ov, xv, d, grid=rows * chunks, threads=threads, stream=stream,
             key=key, **kw)
@@ -397,11 +415,13 @@ def dynamic_scaled_fp8_quant(x, out=None, *, scale=None, stream=None):
     dequantise to 0), then ``out = e4m3(clamp(f(x) * (1/scale)))`` as
     :func:`static_scaled_fp8_quant`.
 
-    Two launches and no host round trip: the first folds ``max|x|`` into at most 512 per-block
-    partial maxima (every slot written: no zeroing, no atomics, deterministic); the second
-    reduces them in every block and quantises (its first block writes ``scale``). Correct under
-    CUDA-graph capture (the partials are allocated per call, from the graph's pool when
-    capturing). ``x`` is read twice (once per pass).
+    Three launches and no host round trip: the first folds ``max|x|`` into at most 512
+    per-block partial maxima (every slot written: no zeroing, no atomics, deterministic), the
+    second (one block) reduces them into ``scale``, the third quantises as
+    :func:`static_scaled_fp8_quant`, the rows the first pass read last (still in L2) first. A
+    tensor of at most 16,384 elements takes one block for the amax and two launches. Correct
+    under CUDA-graph capture (the partials are allocated per call, from the graph's pool when
+    capturing). ``x`` is read twice: the scale needs every element before any is quantised.
 
     Args:
         x: ``[..., d]`` bf16/fp16/fp32, rows as :func:`silu_and_mul`; not modified.
@@ -418,7 +438,7 @@ def dynamic_scaled_fp8_quant(x, out=None, *, scale=None, stream=None):
         return dynamic_scaled_fp8_quant.traced(x=x, out=out, scale=scale, stream=stream)
     k = L.key("dynamic_scaled_fp8_quant", (), x, out, scale) if stream is None else None
     if k is not None and (hit := L.replay(k)) is not None:
-        q, _, s = L.fill(hit, out, None, scale)  # allocated in parameter order: out, partials, scale
+        q, s, _ = L.fill(hit, out, scale, None)  # allocated in parameter order: out, scale, partials
         return q, s
     op = "loomnb.dynamic_scaled_fp8_quant"
     xa = _input(op, x)
@@ -432,13 +452,24 @@ def dynamic_scaled_fp8_quant(x, out=None, *, scale=None, stream=None):
     layout = "vector" if vec else "scalar"
     forced = L.forced_threads()
     t1, grid1 = amax_config(rows, units, forced)
-    pa = C.output(op, "partials", None, like=xa, kind="f32", shape=(grid1[0] * grid1[1],))
-    t2, chunks = chunk_config(max(rows, 1), max(units, 1), forced)
-    _launch(op, ActSpec(xa.kind, "none", "amax", layout=layout, upt=1), lead, ov, xv, d,
-            partials=pa, grid=grid1, threads=t1, stream=stream, key=k, part=(0, 2))
-    _launch(op, ActSpec(xa.kind, "none", "tensor", layout=layout), lead, ov, xv, d, scale=sa,
-            partials=pa, grid=max(rows, 1) * chunks, threads=t2, stream=stream, key=k,
-            part=(1, 2))
+    blocks = grid1[0] * grid1[1]
+    pa = C.output(op, "partials", None, like=xa, kind="f32", shape=(blocks,))
+    quant = rows > 0 and d > 0  # an empty x: scale = 0, nothing to quantise
+    parts = 1 + (blocks > 1) + quant
+    _launch(op, ActSpec(xa.kind, "none", "amax", layout=layout, upt=AMAX_UPT), lead, ov, xv, d,
+            scale=sa, partials=pa, grid=grid1, threads=t1, stream=stream, key=k, part=(0, parts))
+    if blocks > 1:  # one block folds the partials, read as a float32 row, into the scale
+        params = [L.absent("uint8", 3), L.array(pa.view((1, 1, blocks), (0, 0, 1))),
+                  L.absent("float32", 2), L.array(sa), L.absent("float32", 1), L.f32(0.0),
+                  L.f32(0.0), L.i64(blocks)]
+        L.launch(act_quant_kernel, ActSpec("f32", "none", "amax", layout="scalar", upt=AMAX_UPT),
+                 (1, 1), forced or AMAX_THREADS, params, like=xv, stream=stream, key=k,
+                 part=(1, parts))
+    if quant:
+        t2, chunks = chunk_config(rows, units, forced)
+        spec = ActSpec(xa.kind, "none", "tensor", layout=layout, upt=chunk_upt(rows, units))
+        _launch(op, spec, lead, ov, xv, d, scale=sa,
+                grid=rows * chunks, threads=t2, stream=stream, key=k, part=(parts - 1, parts))
     return oa.obj, sa.obj
 
 
