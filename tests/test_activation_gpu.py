@@ -282,6 +282,13 @@ def test_block_size_sweep(threads):
     assert_fp8_codes(to_np(tq), ref["token"][0], (0, 0.0), "per-token")
     assert to_np(ps)[0] == ref["tensor"][1][0]
     assert_fp8_codes(to_np(pq), ref["tensor"][0], (0, 0.0), "per-tensor")
+    for shape in ((33, 4096), (2, 4096), (5, 33)):  # float32 rows: partials, one block, scalar
+        xf = rand(shape, "f32", 3.0, seed=shape[0])
+        qo, so = loomnb.oracle.dynamic_scaled_fp8_quant(to_np(xf))
+        with L.force_threads(threads):
+            pq, ps = loomnb.dynamic_scaled_fp8_quant(xf)
+        assert to_np(ps)[0] == so[0]
+        assert_fp8_codes(to_np(pq), qo, (0, 0.0), f"per-tensor f32 {shape}")
 
 
 @pytest.mark.parametrize("num_tokens, d", [(8, 4096), (300, 4096), (4, 11008), (300, 14336), (2, 40000), (3, 33)])

@@ -163,8 +163,11 @@ def test_launch_configurations():
     assert A.token_config(4096, 5000, True) == (1024, 0)  # > 4096 units: the reread loop
     assert A.token_config(4, 100, False) == (128, 0)
     assert A.amax_config(4096, 1376) == (256, (85, 6))
-    assert A.amax_config(1, 1376) == (256, (1, 1)), "one block for a small tensor: no partials"
-    assert A.amax_config(2, 1376) == (256, (2, 6))
+    assert A.amax_config(1, 1376) == (512, (1, 1)), "one block for a small tensor: no partials"
+    assert A.amax_config(4096, 1376, threads=1024)[0] == 512, "at most 512 threads (registers)"
+    assert A.amax_config(9, 64) == (256, (9, 1)), "more than 8 rows: partials"
+    assert A.amax_config(2, 1376) == (512, (1, 1))
+    assert A.amax_config(4, 1376) == (256, (4, 6))
     t, (gx, gy) = A.amax_config(1, 10 ** 6)
     assert gx * gy <= A.AMAX_BLOCKS and gy == A.AMAX_BLOCKS
 

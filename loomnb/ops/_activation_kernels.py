@@ -70,6 +70,7 @@ CHUNK_UPTS = (2, 4)     # units a thread holds in the chunked sinks (4: large ca
 CHUNK_UPT = CHUNK_UPTS[0]
 TOKEN_UPT = (2, 4)      # units a thread holds in the register-cached per-token sink (0: reread)
 AMAX_UPT = 4            # rows whose units a thread of the amax pass has in flight at once
+                        # (vector layout; the element-wise one has 8 loads a unit already: 1)
 KINDS = ("bf16", "f16", "f32")
 
 F32 = np.float32
@@ -104,7 +105,7 @@ class ActSpec:
         if self.quant == "token":
             assert self.upt in TOKEN_UPT + (0,) and (self.upt or True)
         elif self.quant == "amax":
-            assert self.upt == AMAX_UPT
+            assert self.upt == (AMAX_UPT if self.layout == "vector" else 1)
         else:
             assert self.upt in chunk_upts(self)
 
@@ -633,7 +634,7 @@ def op_specs():
                 specs.append(ActSpec(kind, "none", "group", group=g, ue8m0=ue))
             specs.append(ActSpec(kind, "silu", "group", numerics="per_block", group=g))
         specs += [ActSpec(kind, "none", "static"), ActSpec(kind, "none", "tensor"),
-                  ActSpec(kind, "none", "amax", upt=AMAX_UPT)]
+                  ActSpec(kind, "none", "amax", upt=AMAX_UPT)]  # (scalar: upt 1)
         specs += [ActSpec(kind, "none", "token", scale_ub=ub, upt=TOKEN_UPT[0]) for ub in (False, True)]
     return specs
 
@@ -649,7 +650,7 @@ def variants():
             if base.quant == "token":
                 widths = (TOKEN_UPT + (0,)) if layout == "vector" else (0,)
             elif base.quant == "amax":
-                widths = (base.upt,)
+                widths = (AMAX_UPT if layout == "vector" else 1,)
             else:
                 widths = chunk_upts(base)
             for upt in widths:

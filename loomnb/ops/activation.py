@@ -58,7 +58,9 @@ LARGE_WORK = 2 ** 20      # units of 8 outputs from which a chunked thread holds
 LARGE_CHUNK_UPT = CHUNK_UPTS[1]
 AMAX_THREADS = 256        # threads of a block of the dynamic per-tensor amax pass
 AMAX_BLOCKS = 512         # at most this many partial maxima (one block reduces them all)
-AMAX_ONE_BLOCK = 2048     # units of 8 elements up to which one block does the whole amax
+AMAX_ONE_BLOCK = 4096     # units of 8 elements (of at most 8 rows) one block of the amax pass
+AMAX_ONE_BLOCK_ROWS = 8   # takes whole: no partials, two launches
+AMAX_MAX_THREADS = 512    # the amax pass's block size, forced or not (float32 rows: 76 registers)
 MAX_BLOCKS = 2 ** 31 - 1  # gridDim.x
 DEQUANT_THREADS = 128
 
@@ -108,10 +110,11 @@ def token_config(num_rows, units, vector, threads=None):
 def amax_config(num_rows, units, threads=None):
     """(threads, grid) of the dynamic per-tensor amax pass: at most ``AMAX_BLOCKS`` blocks
     (each folds a strided share of rows x units into one partial maximum), or one block for a
-    tensor of at most ``AMAX_ONE_BLOCK`` units (it writes the scale itself)."""
-    threads = threads or AMAX_THREADS
-    if num_rows * units <= AMAX_ONE_BLOCK:
-        return threads, (1, 1)
+    tensor of at most ``AMAX_ONE_BLOCK`` units in at most ``AMAX_ONE_BLOCK_ROWS`` rows (it
+    writes the scale itself); never more than ``AMAX_MAX_THREADS`` threads a block."""
+    if num_rows * units <= AMAX_ONE_BLOCK and num_rows <= AMAX_ONE_BLOCK_ROWS:
+        return min(threads or _ceil32(units), AMAX_MAX_THREADS), (1, 1)
+    threads = min(threads or AMAX_THREADS, AMAX_MAX_THREADS)
     gy = max(1, min(-(-units // threads), AMAX_BLOCKS))
     gx = max(1, min(num_rows, AMAX_BLOCKS // gy))
     return threads, (gx, gy)
@@ -419,7 +422,7 @@ def dynamic_scaled_fp8_quant(x, out=None, *, scale=None, stream=None):
     per-block partial maxima (every slot written: no zeroing, no atomics, deterministic), the
     second (one block) reduces them into ``scale``, the third quantises as
     :func:`static_scaled_fp8_quant`, the rows the first pass read last (still in L2) first. A
-    tensor of at most 16,384 elements takes one block for the amax and two launches. Correct
+    tensor of at most 8 rows and 32,768 elements takes one block for the amax and two launches. Correct
     under CUDA-graph capture (the partials are allocated per call, from the graph's pool when
     capturing). ``x`` is read twice: the scale needs every element before any is quantised.
 
@@ -456,14 +459,15 @@ def dynamic_scaled_fp8_quant(x, out=None, *, scale=None, stream=None):
     pa = C.output(op, "partials", None, like=xa, kind="f32", shape=(blocks,))
     quant = rows > 0 and d > 0  # an empty x: scale = 0, nothing to quantise
     parts = 1 + (blocks > 1) + quant
-    _launch(op, ActSpec(xa.kind, "none", "amax", layout=layout, upt=AMAX_UPT), lead, ov, xv, d,
-            scale=sa, partials=pa, grid=grid1, threads=t1, stream=stream, key=k, part=(0, parts))
-    if blocks > 1:  # one block folds the partials, read as a float32 row, into the scale
+    spec = ActSpec(xa.kind, "none", "amax", layout=layout, upt=AMAX_UPT if vec else 1)
+    _launch(op, spec, lead, ov, xv, d, scale=sa, partials=pa, grid=grid1, threads=t1,
+            stream=stream, key=k, part=(0, parts))
+    if blocks > 1:  # one block (of a fixed size) folds the partials, a float32 row, into the scale
         params = [L.absent("uint8", 3), L.array(pa.view((1, 1, blocks), (0, 0, 1))),
                   L.absent("float32", 2), L.array(sa), L.absent("float32", 1), L.f32(0.0),
                   L.f32(0.0), L.i64(blocks)]
-        L.launch(act_quant_kernel, ActSpec("f32", "none", "amax", layout="scalar", upt=AMAX_UPT),
-                 (1, 1), forced or AMAX_THREADS, params, like=xv, stream=stream, key=k,
+        L.launch(act_quant_kernel, ActSpec("f32", "none", "amax", layout="scalar", upt=1),
+                 (1, 1), AMAX_THREADS, params, like=xv, stream=stream, key=k,
                  part=(1, parts))
     if quant:
         t2, chunks = chunk_config(rows, units, forced)
