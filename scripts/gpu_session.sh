@@ -23,6 +23,8 @@
 #   bash scripts/gpu_session.sh P   # after staging numpy,vllm,fa3,flashinfer,liger: decode attention
 #                                   # over the whole grid (--full), the activation/sampling/FP8
 #                                   # GPU tests, the activation benchmark (--tune), the fp32 sampling grid
+#   bash scripts/gpu_session.sh R   # the activation GPU tests, memcheck and the per-tensor quant
+#                                   # benchmark after a change (numpy only: .gpu-stage/np carried)
 #   bash scripts/gpu_session.sh Q   # right after P: the bf16 sampling grid, flex_attention, Nsight
 #                                   # Compute of the FP8 quant ops and Min-P V2, notebooks 02 and 05
 #   bash scripts/gpu_session.sh J   # the vLLM A/B (bench_vllm_ab.py --quick), one order per GPU,
@@ -123,6 +125,21 @@ if [ "$part" = Q ]; then  # session 4, after P: bf16 sampling grid, flex_attenti
   for f in "$R"/ncu_*.txt; do echo "== $f"; grep -E "Duration|DRAM Throughput|Compute \(SM\)|Issued Warp|Grid Size|Block Size|Registers Per|Achieved Occ|No Eligible" "$f"; done
   tail -3 "$R/notebooks.log"; grep -hE "rc=|ERROR SUMMARY" "$R"/memcheck_*.log | tail -4
   cat "$R/bench_0.log" | cut -c1-200 | tail -30
+  exit 0
+fi
+
+if [ "$part" = R ]; then  # session 4, after the amax-pass fix (numpy only): activation GPU tests, memcheck, per-tensor bench
+  ( tests 0 r 200 tests/test_activation_gpu.py tests/test_fp8_gpu.py
+    memcheck 0 60 tests/test_activation_gpu.py "sweep or replays or quantisers_bit" ) &
+  first=$!
+  ( bench 1 activation_tensor 150 benchmarks/bench_activation.py --ops dynamic_scaled_fp8_quant,static_scaled_fp8_quant \
+      --providers loomnb,torch,torch_compile --repeats 9 --tag tensor ) &
+  second=$!
+  wait $first $second
+  tar czf "$OUT/session_$part.tgz" -C "$R" .
+  grep -hE "passed|failed|rc=|ERROR SUMMARY" "$R"/pytest_*.log "$R"/memcheck_*.log | tail -6
+  grep -hE "^(FAILED|ERROR) |^E  " "$R"/pytest_*.log | head -20
+  cat "$R/bench_1.log" | cut -c1-200 | tail -12
   exit 0
 fi
 
