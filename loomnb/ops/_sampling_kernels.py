@@ -518,6 +518,20 @@ def logprob_kernel(spec):
 
 
 # ---------------------------------------------------------------- Min-P
+@device
+def _fetch_units(lr, ub, nt, u1, wv):
+    """Units ``ub + j*nt`` (``j < MIN_P_UPT``) of a row into ``wv``, every load issued before any
+    is used; a unit past ``u1`` reads as four ``-inf``."""
+    for j in range(MIN_P_UPT):
+        if ub + j * nt < u1:
+            w = load_u32x4(lr, (ub + j * nt) << 2)
+            for k in range(4):
+                wv[4 * j + k] = w[k]
+        else:
+            for k in range(4):
+                wv[4 * j + k] = uint32(NEG_INF_BITS)
+
+
 def min_p_kernel(spec):
     """The ``@cuda.jit`` function of ``spec``. Parameters: ``logits [R, V] fp32 (words in vec),
     min_p [R] f32, ws_f [P, NF] f64, V, splits, chunk``."""
@@ -559,14 +573,7 @@ def min_p_kernel(spec):
             u1 = hi // 4
             m = float32(-math.inf)
             for ub in range(lo // 4 + tid, u1, MIN_P_UPT * nt):
-                for j in range(MIN_P_UPT):  # every load in flight before any is folded
-                    if ub + j * nt < u1:
-                        w = load_u32x4(lr, (ub + j * nt) << 2)
-                        for k in range(4):
-                            wv[4 * j + k] = w[k]
-                    else:
-                        for k in range(4):
-                            wv[4 * j + k] = uint32(NEG_INF_BITS)
+                _fetch_units(lr, ub, nt, u1, wv)
                 for k in range(4 * MIN_P_UPT):
                     m = fmaxf(m, bits_f32(wv[k]))
             m = block_max(m, sm)
@@ -600,11 +607,7 @@ def min_p_kernel(spec):
         if VEC:
             u1 = hi // 4
             for ub in range(lo // 4 + tid, u1, MIN_P_UPT * nt):
-                for j in range(MIN_P_UPT):  # every load in flight before any is tested
-                    if ub + j * nt < u1:
-                        w = load_u32x4(lr, (ub + j * nt) << 2)
-                        for k in range(4):
-                            wv[4 * j + k] = w[k]
+                _fetch_units(lr, ub, nt, u1, wv)
                 for j in range(MIN_P_UPT):
                     u = ub + j * nt
                     if u < u1:
