@@ -27,8 +27,9 @@
 #                                   # benchmark after a change (numpy only: .gpu-stage/np carried)
 #   bash scripts/gpu_session.sh Q   # right after P: the bf16 sampling grid, flex_attention, Nsight
 #                                   # Compute of the FP8 quant ops and Min-P V2, notebooks 02 and 05
-#   bash scripts/gpu_session.sh J   # the vLLM A/B (bench_vllm_ab.py --quick), one order per GPU,
-#                                   # after staging with gpu_stage.py --what numpy,vllm-engine
+#   bash scripts/gpu_session.sh J   # the vLLM A/B (bench_vllm_ab.py --quick; AB_QUICK= for the full
+#                                   # run), one order per GPU, after staging with gpu_stage.py
+#                                   # --what numpy,vllm-engine
 # Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
 # with the other GPU's process. Everything (logs, result JSON/CSV) goes into one archive
 # $OUT/session_<part>.tgz, and the summary lines are printed last.
@@ -187,7 +188,7 @@ if [ "$part" = J ]; then  # vLLM 0.24 itself with and without loomnb (staged wit
   python3 /tmp/stage/files/gguf_to_hf.py "$LOOMNB_SMOLLM2_GGUF" /tmp/smollm2-hf > "$R/gguf_to_hf.log" 2>&1
   ab() {  # ab GPU ORDER CONFIGS: one order of the A/B on one GPU, results straight into $OUT
     CUDA_VISIBLE_DEVICES=$1 timeout "${AB_LIMIT:-290}" python3 benchmarks/bench_vllm_ab.py --model /tmp/smollm2-hf \
-      --quick --orders "$2" --configs "$3" --timeout 200 --out "$OUT/ab_$2.json" > "$OUT/ab_$2.log" 2>&1
+      ${AB_QUICK---quick} --orders "$2" --configs "$3" --timeout 200 --out "$OUT/ab_$2.json" > "$OUT/ab_$2.log" 2>&1
     echo "ab $2 rc=$?" >> "$OUT/ab_$2.log"
   }
   ( ab 0 forward "${AB_CONFIGS:-vllm_ops,loomnb}" ) &
