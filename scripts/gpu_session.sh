@@ -29,7 +29,8 @@
 #                                   # Compute of the FP8 quant ops and Min-P V2, notebooks 02 and 05
 #   bash scripts/gpu_session.sh J   # the vLLM A/B (bench_vllm_ab.py --quick; AB_QUICK= for the full
 #                                   # run), one order per GPU, after staging with gpu_stage.py
-#                                   # --what numpy,vllm-engine
+#                                   # --what numpy,vllm-engine (AB_ORDER=forward|reversed: that order
+#                                   # alone on GPU 0, for a one-GPU machine)
 # Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
 # with the other GPU's process. Everything (logs, result JSON/CSV) goes into one archive
 # $OUT/session_<part>.tgz, and the summary lines are printed last.
@@ -191,6 +192,11 @@ if [ "$part" = J ]; then  # vLLM 0.24 itself with and without loomnb (staged wit
       ${AB_QUICK---quick} --orders "$2" --configs "$3" --timeout 200 --out "$OUT/ab_$2.json" > "$OUT/ab_$2.log" 2>&1
     echo "ab $2 rc=$?" >> "$OUT/ab_$2.log"
   }
+  if [ -n "${AB_ORDER:-}" ]; then  # one GPU: one order per call (merge the two JSONs afterwards)
+    ab 0 "$AB_ORDER" "${AB_CONFIGS:-vllm_ops,loomnb}"
+    tail -25 "$OUT/ab_$AB_ORDER.log" | cut -c1-220
+    exit 0
+  fi
   ( ab 0 forward "${AB_CONFIGS:-vllm_ops,loomnb}" ) &
   first=$!
   ( ab 1 reversed "${AB_CONFIGS:-vllm_ops,loomnb}" ) &
