@@ -25,8 +25,9 @@ Providers (each skips with a logged reason when it cannot load):
   through ``torch.compile`` (default mode, static shapes);
 * ``liger``: ``LigerSiLUMulFunction`` on the two halves, passed as two contiguous tensors (its
   kernel indexes both halves with the output's row stride); silu_and_mul only.
-* ``loomnb_u2`` (``--tune``): loomnb with ``activation.LARGE_CHUNK_UPT = 2``, i.e. 2 units of 8
-  a thread in the chunked kernels at every size (the default holds 4 from ``LARGE_WORK`` on).
+* ``loomnb_u2`` (``--tune``): loomnb with ``activation.LARGE_CHUNK_UPT = SMALL_CHUNK_UPT = 2``,
+  i.e. 2 units of 8 a thread in the chunked kernels at every size (the default holds 1 up to
+  ``SMALL_WORK`` units and 4 from ``LARGE_WORK`` on).
 
 Bytes model: every read tensor once and every written tensor once (``x``; ``out`` in the
 activation dtype or FP8; scales 4 B each). ``dynamic_scaled_fp8_quant`` must read ``x`` twice
@@ -333,7 +334,7 @@ class Liger(H.Provider):
 
 
 _A = "loomnb.ops.activation"
-TUNED = [H.tuned(Loomnb, _A, "u2", LARGE_CHUNK_UPT=2)]  # --tune: 2 units a thread at every size
+TUNED = [H.tuned(Loomnb, _A, "u2", LARGE_CHUNK_UPT=2, SMALL_CHUNK_UPT=2)]  # --tune: 2 units a thread at every size
 PROVIDERS = {p.name: p for p in (Loomnb, Vllm, VllmPerBlock, FlashInfer, Torch,
                                  H.compiled(Torch), Liger, *TUNED)}
 

@@ -25,6 +25,8 @@
 #                                   # GPU tests, the activation benchmark (--tune), the fp32 sampling grid
 #   bash scripts/gpu_session.sh R   # the activation GPU tests, memcheck and the per-tensor quant
 #                                   # benchmark after a change (numpy only: .gpu-stage/np carried)
+#   bash scripts/gpu_session.sh T   # one GPU, numpy only: activation GPU tests, small-call benchmark
+#                                   # (d = 1536 and 11008, --tune), notebook 02's GPU run
 #   bash scripts/gpu_session.sh Q   # right after P: the bf16 sampling grid, flex_attention, Nsight
 #                                   # Compute of the FP8 quant ops and Min-P V2, notebooks 02 and 05
 #   bash scripts/gpu_session.sh J   # the vLLM A/B (bench_vllm_ab.py --quick; AB_QUICK= for the full
@@ -142,6 +144,19 @@ if [ "$part" = R ]; then  # session 4, after the amax-pass fix (numpy only): act
   grep -hE "passed|failed|rc=|ERROR SUMMARY" "$R"/pytest_*.log "$R"/memcheck_*.log | tail -6
   grep -hE "^(FAILED|ERROR) |^E  " "$R"/pytest_*.log | head -20
   cat "$R/bench_1.log" | cut -c1-200 | tail -12
+  exit 0
+fi
+
+if [ "$part" = T ]; then  # session 4, one H200 (numpy only): 1 unit a thread for small activation calls
+  tests 0 t 120 tests/test_activation_gpu.py
+  bench 0 activation_small 120 benchmarks/bench_activation.py --tune --ops silu_and_mul,silu_and_mul_per_token_group_quant_fp8,per_token_group_quant_fp8 \
+    --providers loomnb,loomnb_u2,torch,torch_compile --num-tokens 1,8,32,128 --d 1536,11008 --repeats 7 --tag small
+  CUDA_VISIBLE_DEVICES=0 timeout 90 python3 scripts/run_notebooks.py --gpu --out "$R/notebooks" \
+    notebooks/02_activation_fp8.ipynb > "$R/notebooks.log" 2>&1
+  echo "notebooks rc=$?" >> "$R/notebooks.log"
+  tar czf "$OUT/session_$part.tgz" -C "$R" .
+  grep -hE "passed|failed|rc=" "$R"/pytest_*.log | tail -3; grep -hE "^(FAILED|ERROR) |^E  " "$R"/pytest_*.log | head -10
+  tail -2 "$R/notebooks.log"; cat "$R/bench_0.log" | cut -c1-200 | tail -8
   exit 0
 fi
 

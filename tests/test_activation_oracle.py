@@ -150,14 +150,15 @@ def test_dequant_round_trip():
 
 # ---------------------------------------------------------------- launch configurations
 def test_launch_configurations():
-    assert A.chunk_config(1, 1376) == (64, 11)           # 1 row of 11008: 11 blocks of 64
+    assert A.chunk_config(1, 1376) == (64, 22)           # 1 row of 11008: 22 blocks of 64 x 1 unit
+    assert A.chunk_upt(1, 1376) == 1 and A.chunk_upt(32, 1376) == 2
     assert A.chunk_config(128, 1376) == (128, 6)         # 6 chunks of 256 units a row
     assert A.chunk_upt(4096, 1376) == 4 and A.chunk_upt(128, 1376) == 2
     fused = A.ActSpec("bf16", "silu", "group", group=128)
     assert A.chunk_upt(4096, 1376, fused) == 2, "the fused gated group quant stays at 2 units"
     assert A.chunk_config(4096, 1376) == (128, 3)        # large: 3 chunks of 512 units
     assert A.chunk_config(3, 1) == (32, 1)
-    assert A.chunk_config(2, 100, threads=32) == (32, 2)
+    assert A.chunk_config(2, 100, threads=32) == (32, 4)
     assert A.token_config(8, 1376, True) == (704, 2)     # small batch: 2 units a thread
     assert A.token_config(4096, 1376, True) == (352, 4)  # large batch: 4
     assert A.token_config(4096, 5000, True) == (1024, 0)  # > 4096 units: the reread loop

@@ -322,14 +322,18 @@ def test_block_size_sweep(name, args):
 @pytest.mark.parametrize("name, args", [("silu_and_mul", ()), ("gelu_and_mul", ()),
                                         ("per_token_group_quant_fp8", (64,)),
                                         ("per_token_group_quant_fp8", (128,)),
+                                        ("silu_and_mul_per_token_group_quant_fp8", (128,)),
                                         ("static_scaled_fp8_quant", (SCALE,)),
                                         ("dynamic_scaled_fp8_quant", ())])
 @pytest.mark.parametrize("layout", ["vector", "scalar"])
-def test_chunked_sinks_with_four_units_a_thread(monkeypatch, name, args, layout):
-    """The large-call form of every chunked sink (4 units of 8 a thread, ``chunk_upt``) at
-    simulator shapes: 32 threads, so a row of 144 units is two chunks and the second is partial;
-    the element-wise layout for rows that are not 16-byte aligned."""
-    monkeypatch.setattr(act_ops, "LARGE_WORK", 0)
+@pytest.mark.parametrize("upt", [2, 4])
+def test_chunked_sinks_with_two_and_four_units_a_thread(monkeypatch, name, args, layout, upt):
+    """The mid-size and large-call forms of every chunked sink (2 and 4 units of 8 a thread,
+    ``chunk_upt``; simulator shapes are small calls, 1 unit, everywhere else): 32 threads, so
+    a row of 144 units is two chunks and the second is partial; the element-wise layout for
+    rows that are not 16-byte aligned."""
+    monkeypatch.setattr(act_ops, "SMALL_WORK", -1)
+    monkeypatch.setattr(act_ops, "LARGE_WORK", 0 if upt == 4 else 2 ** 40)
     rng = np.random.default_rng(23)
     gated = name.startswith(("silu", "gelu"))
     d = 1152  # 144 units: a chunk of 32 x 4 and one of 16
@@ -342,9 +346,10 @@ def test_chunked_sinks_with_four_units_a_thread(monkeypatch, name, args, layout)
     with L.force_threads(32):
         got = getattr(loomnb, name)(x, *args)
     for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
-        assert_same(g, w, f"{name} upt=4 {layout}")
+        assert_same(g, w, f"{name} upt={upt} {layout}")
     assert [s.layout for s in specs if s.quant != "amax"] == [layout]
-    assert [s.upt for s in specs if s.quant != "amax"] == [4], specs
+    fused_group = name == "silu_and_mul_per_token_group_quant_fp8"  # compiles at 1 and 2 only
+    assert [s.upt for s in specs if s.quant != "amax"] == [2 if fused_group else upt], specs
 
 
 @pytest.mark.parametrize("threads, d, upt", [(64, 512, 2), (32, 1024, 4), (32, 1032, 0)])

@@ -66,8 +66,8 @@ QUANTS = ("none", "static", "tensor", "token", "group", "amax")
 NUMERICS = ("unfused", "per_block")
 GROUP_SIZES = (64, 128)
 UNIT = 8                # output elements per unit
-CHUNK_UPTS = (2, 4)     # units a thread holds in the chunked sinks (4: large calls)
-CHUNK_UPT = CHUNK_UPTS[0]
+CHUNK_UPTS = (1, 2, 4)  # units a thread holds in the chunked sinks (1: small calls, 4: large)
+CHUNK_UPT = 2
 TOKEN_UPT = (2, 4)      # units a thread holds in the register-cached per-token sink (0: reread)
 AMAX_UPT = 4            # rows whose units a thread of the amax pass has in flight at once
                         # (vector layout; the element-wise one has 8 loads a unit already: 1)
@@ -111,10 +111,10 @@ class ActSpec:
 
 
 def chunk_upts(spec):
-    """The widths a chunked sink of ``spec`` compiles at: 2 and 4 units a thread, except the
+    """The widths a chunked sink of ``spec`` compiles at: 1, 2 and 4 units a thread, except the
     fused gated group quant (two halves of 4 units are more values than a thread's registers
     hold: at 4, numba's arrays spill to local memory)."""
-    return CHUNK_UPTS[:1] if spec.act != "none" and spec.quant == "group" else CHUNK_UPTS
+    return CHUNK_UPTS[:2] if spec.act != "none" and spec.quant == "group" else CHUNK_UPTS
 
 
 def argtypes(spec):

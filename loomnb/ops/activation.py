@@ -40,8 +40,8 @@ from .._dtypes import ACTIVATION_KINDS
 from ..checks import check_eps, check_kind, check_same_device
 from . import _contract as C
 from . import _launch as L
-from ._activation_kernels import (AMAX_UPT, CHUNK_UPTS, DEQUANT_EPT, chunk_upts, GROUP_SIZES, NUMERICS,
-                                  TOKEN_UPT, UNIT, ActSpec, DequantSpec, act_quant_kernel, dequant_kernel)
+from ._activation_kernels import (AMAX_UPT, DEQUANT_EPT, GROUP_SIZES, NUMERICS, TOKEN_UPT, UNIT,
+                                  ActSpec, DequantSpec, act_quant_kernel, chunk_upts, dequant_kernel)
 from ._torch_ops import torch_op
 
 __all__ = ["silu_and_mul", "mul_and_silu", "gelu_and_mul", "gelu_tanh_and_mul", "fatrelu_and_mul",
@@ -55,7 +55,8 @@ SMALL_CHUNK_THREADS = 64  # ... when the whole call is a few blocks' work (laten
 SMALL_WORK = 132 * 256    # units of 8 outputs under which a call counts as small
 SMALL_BATCH = 256         # rows under which the per-token quant prefers 2 units a thread
 LARGE_WORK = 2 ** 20      # units of 8 outputs from which a chunked thread holds 4 units, not 2
-LARGE_CHUNK_UPT = CHUNK_UPTS[1]
+LARGE_CHUNK_UPT = 4
+SMALL_CHUNK_UPT = 1       # ... and up to SMALL_WORK units, 1 (a short chain of dependent work)
 AMAX_THREADS = 256        # threads of a block of the dynamic per-tensor amax pass
 AMAX_BLOCKS = 512         # at most this many partial maxima (one block reduces them all)
 AMAX_ONE_BLOCK = 4096     # units of 8 elements (of at most 8 rows) one block of the amax pass
@@ -70,13 +71,18 @@ def _ceil32(n):
 
 
 def chunk_upt(num_rows, units, spec=None):
-    """Units of 8 outputs a thread of the chunked kernels holds: 2, or ``LARGE_CHUNK_UPT`` (4)
-    from ``LARGE_WORK`` units on (a GPU's worth of 512-unit blocks: each thread's fixed cost --
-    row and chunk arithmetic, addresses -- spread over 32 elements, not 16) where ``spec``
-    compiles at that width (``chunk_upts``)."""
-    if num_rows * units >= LARGE_WORK and (spec is None or LARGE_CHUNK_UPT in chunk_upts(spec)):
+    """Units of 8 outputs a thread of the chunked kernels holds: ``SMALL_CHUNK_UPT`` (1) up to
+    ``SMALL_WORK`` units (a latency-bound call: each thread's chain of loads, ``expf``, divisions
+    and stores is as short as it gets), 2, or ``LARGE_CHUNK_UPT`` (4) from ``LARGE_WORK`` units
+    on (a GPU's worth of 512-unit blocks: each thread's fixed cost -- row and chunk arithmetic,
+    addresses -- spread over 32 elements, not 16) where ``spec`` compiles at that width
+    (``chunk_upts``)."""
+    work = num_rows * units
+    if work <= SMALL_WORK:
+        return SMALL_CHUNK_UPT
+    if work >= LARGE_WORK and (spec is None or LARGE_CHUNK_UPT in chunk_upts(spec)):
         return LARGE_CHUNK_UPT
-    return CHUNK_UPTS[0]
+    return 2
 
 
 def chunk_config(num_rows, units, threads=None, spec=None):
