@@ -8,9 +8,8 @@ Every op of the family is one elementwise *source* followed by one *sink*:
   compute ``y = r(f(r(act(g))) * f(u))`` in float32 (``numerics="per_block"``: vLLM's fused
   ``silu_and_mul_per_block_quant``, ``y = (g * (1/(1 + expf(-g)))) * u`` with no rounding);
 * sink (``quant``): ``"none"`` stores ``y`` as T; ``"static"`` stores ``e4m3(clamp(y * (1/s)))``
-  with ``s = scale[0]``; ``"tensor"`` is ``"static"`` walking the rows backwards (the
-  last pass of the dynamic per-tensor quant: the rows its amax pass read last come first);
-  ``"token"``
+  with ``s = scale[0]``; ``"tensor"`` is ``"static"`` walking the rows backwards (the last
+  pass of the dynamic per-tensor quant: the rows its amax pass read last come first); ``"token"``
   reduces the row's amax over the block, ``s = max(min(amax, ub)/448, 1/(448*512))``, stores
   ``e4m3(clamp(y / s))``; ``"group"`` reduces each group of ``group`` elements over the
   ``group/8`` lanes that hold it (warp shuffles), ``s = max(eps, amax)/448`` (UE8M0: rounded up
@@ -67,7 +66,7 @@ NUMERICS = ("unfused", "per_block")
 GROUP_SIZES = (64, 128)
 UNIT = 8                # output elements per unit
 CHUNK_UPTS = (1, 2, 4)  # units a thread holds in the chunked sinks (1: small calls, 4: large)
-CHUNK_UPT = 2
+CHUNK_UPT = 2           # ActSpec's default width (mid-size calls)
 TOKEN_UPT = (2, 4)      # units a thread holds in the register-cached per-token sink (0: reread)
 AMAX_UPT = 4            # rows whose units a thread of the amax pass has in flight at once
                         # (vector layout; the element-wise one has 8 loads a unit already: 1)

@@ -41,7 +41,8 @@ from ..checks import check_eps, check_kind, check_same_device
 from . import _contract as C
 from . import _launch as L
 from ._activation_kernels import (AMAX_UPT, DEQUANT_EPT, GROUP_SIZES, NUMERICS, TOKEN_UPT, UNIT,
-                                  ActSpec, DequantSpec, act_quant_kernel, chunk_upts, dequant_kernel)
+                                  ActSpec, DequantSpec, act_quant_kernel, chunk_upts,
+                                  dequant_kernel)
 from ._torch_ops import torch_op
 
 __all__ = ["silu_and_mul", "mul_and_silu", "gelu_and_mul", "gelu_tanh_and_mul", "fatrelu_and_mul",
@@ -428,9 +429,9 @@ def dynamic_scaled_fp8_quant(x, out=None, *, scale=None, stream=None):
     per-block partial maxima (every slot written: no zeroing, no atomics, deterministic), the
     second (one block) reduces them into ``scale``, the third quantises as
     :func:`static_scaled_fp8_quant`, the rows the first pass read last (still in L2) first. A
-    tensor of at most 8 rows and 32,768 elements takes one block for the amax and two launches. Correct
-    under CUDA-graph capture (the partials are allocated per call, from the graph's pool when
-    capturing). ``x`` is read twice: the scale needs every element before any is quantised.
+    tensor of at most 8 rows and 32,768 elements takes one block for the amax and two launches.
+    Correct under CUDA-graph capture (the partials are allocated per call, from the graph's pool
+    when capturing). ``x`` is read twice: the scale needs every element before any is quantised.
 
     Args:
         x: ``[..., d]`` bf16/fp16/fp32, rows as :func:`silu_and_mul`; not modified.
@@ -447,7 +448,7 @@ def dynamic_scaled_fp8_quant(x, out=None, *, scale=None, stream=None):
         return dynamic_scaled_fp8_quant.traced(x=x, out=out, scale=scale, stream=stream)
     k = L.key("dynamic_scaled_fp8_quant", (), x, out, scale) if stream is None else None
     if k is not None and (hit := L.replay(k)) is not None:
-        q, s, _ = L.fill(hit, out, scale, None)  # allocated in parameter order: out, scale, partials
+        q, s, _ = L.fill(hit, out, scale, None)  # allocated in order: out, scale, partials
         return q, s
     op = "loomnb.dynamic_scaled_fp8_quant"
     xa = _input(op, x)
