@@ -157,6 +157,7 @@ def test_launch_configurations():
     fused = A.ActSpec("bf16", "silu", "group", group=128)
     assert A.chunk_upt(4096, 1376, fused) == 2, "the fused gated group quant stays at 2 units"
     assert A.chunk_config(4096, 1376) == (128, 3)        # large: 3 chunks of 512 units
+    assert A.chunk_config(4096, 1376, upt=2) == (128, 6)  # a width the caller chose
     assert A.chunk_config(3, 1) == (32, 1)
     assert A.chunk_config(2, 100, threads=32) == (32, 4)
     assert A.token_config(8, 1376, True) == (704, 2)     # small batch: 2 units a thread

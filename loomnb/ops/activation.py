@@ -86,12 +86,12 @@ def chunk_upt(num_rows, units, spec=None):
     return 2
 
 
-def chunk_config(num_rows, units, threads=None, spec=None):
+def chunk_config(num_rows, units, threads=None, upt=None):
     """(threads, chunks) of the chunked kernels: a block covers ``threads * upt`` units of 8
-    outputs of one row (``upt`` from :func:`chunk_upt`), ``chunks`` blocks a row (a 1-D grid
-    of ``num_rows * chunks`` blocks; the kernel derives ``chunks`` from ``d``, the block size
-    and ``upt`` the same way)."""
-    upt = chunk_upt(num_rows, units, spec)
+    outputs of one row (``upt`` from :func:`chunk_upt` when not given), ``chunks`` blocks a row
+    (a 1-D grid of ``num_rows * chunks`` blocks; the kernel derives ``chunks`` from ``d``, the
+    block size and ``upt`` the same way)."""
+    upt = upt or chunk_upt(num_rows, units)
     if threads is None:
         want = SMALL_CHUNK_THREADS if num_rows * units <= SMALL_WORK else CHUNK_THREADS
         threads = min(want, _ceil32(-(-units // upt)))
@@ -197,8 +197,8 @@ def _chunked(op, spec, lead, ov, xv, d, stream, key, **kw):
         return
     vec = _vector_ok(ov, xv, d, spec.quant != "none")
     units = -(-d // UNIT)
-    threads, chunks = chunk_config(rows, units, L.forced_threads(), spec)
     upt = chunk_upt(rows, units, spec)
+    threads, chunks = chunk_config(rows, units, L.forced_threads(), upt)
     spec = dataclasses.replace(spec, layout="vector" if vec else "scalar", upt=upt)
     if rows * chunks > MAX_BLOCKS:
         C.fail_value(op, "x", f"at most {MAX_BLOCKS} blocks of {threads * upt * UNIT} "
@@ -477,8 +477,8 @@ def dynamic_scaled_fp8_quant(x, out=None, *, scale=None, stream=None):
                  (1, 1), AMAX_THREADS, params, like=xv, stream=stream, key=k,
                  part=(1, parts))
     if quant:
-        t2, chunks = chunk_config(rows, units, forced)
         spec = ActSpec(xa.kind, "none", "tensor", layout=layout, upt=chunk_upt(rows, units))
+        t2, chunks = chunk_config(rows, units, forced, spec.upt)
         _launch(op, spec, lead, ov, xv, d, scale=sa,
                 grid=rows * chunks, threads=t2, stream=stream, key=k, part=(parts - 1, parts))
     return oa.obj, sa.obj
