@@ -74,6 +74,14 @@ bench() {  # bench GPU NAME LIMIT SCRIPT ARGS...: one benchmark on one GPU with 
   tail -6 "$R/bench_$name.log" >> "$R/bench_$gpu.log"
 }
 
+report() {  # report LINES: archive $R into $OUT; print the tests' and memchecks' summaries, their
+  # failures, and the last LINES lines of the per-GPU benchmark logs
+  tar czf "$OUT/session_$part.tgz" -C "$R" .
+  grep -hE "passed|failed|rc=|ERROR SUMMARY" "$R"/pytest_*.log "$R"/memcheck_*.log 2>/dev/null | tail -6
+  grep -hE "^(FAILED|ERROR) |^E  " "$R"/pytest_*.log 2>/dev/null | head -20
+  cat "$R"/bench_[01].log 2>/dev/null | cut -c1-200 | tail -"$1"
+}
+
 decode_step() {  # decode_step GPU LIMIT PROVIDERS: the graphed decode-step benchmark with its per-kernel profile
   local gpu=$1 limit=$2 providers=$3
   echo "=== decode $(date +%T)" >> "$R/bench_$gpu.log"
@@ -96,10 +104,7 @@ if [ "$part" = P ]; then  # session 4, right after the last receive of numpy,vll
       --vocab-sizes 49152,128256,151936 --dtype fp32 --repeats 7 --target-ms 1 ) &
   second=$!
   wait $first $second
-  tar czf "$OUT/session_$part.tgz" -C "$R" .
-  grep -hE "passed|failed|rc=" "$R"/pytest_*.log | tail -3
-  grep -hE "^(FAILED|ERROR) |^E  " "$R"/pytest_*.log | head -20
-  cat "$R/bench_0.log" "$R/bench_1.log" | cut -c1-200 | tail -40
+  report 40
   exit 0
 fi
 
@@ -125,10 +130,9 @@ if [ "$part" = Q ]; then  # session 4, after P: bf16 sampling grid, flex_attenti
     memcheck 1 45 tests/test_activation_gpu.py "d3420 or special or all_zero or strided or replays" ) &
   second=$!
   wait $first $second
-  tar czf "$OUT/session_$part.tgz" -C "$R" .
   for f in "$R"/ncu_*.txt; do echo "== $f"; grep -E "Duration|DRAM Throughput|Compute \(SM\)|Issued Warp|Grid Size|Block Size|Registers Per|Achieved Occ|No Eligible" "$f"; done
-  tail -3 "$R/notebooks.log"; grep -hE "rc=|ERROR SUMMARY" "$R"/memcheck_*.log | tail -4
-  cat "$R/bench_0.log" | cut -c1-200 | tail -30
+  tail -3 "$R/notebooks.log"
+  report 30
   exit 0
 fi
 
@@ -140,10 +144,7 @@ if [ "$part" = R ]; then  # session 4, after the amax-pass fix (numpy only): act
       --providers loomnb,torch,torch_compile --repeats 9 --tag tensor ) &
   second=$!
   wait $first $second
-  tar czf "$OUT/session_$part.tgz" -C "$R" .
-  grep -hE "passed|failed|rc=|ERROR SUMMARY" "$R"/pytest_*.log "$R"/memcheck_*.log | tail -6
-  grep -hE "^(FAILED|ERROR) |^E  " "$R"/pytest_*.log | head -20
-  cat "$R/bench_1.log" | cut -c1-200 | tail -12
+  report 12
   exit 0
 fi
 
@@ -154,9 +155,8 @@ if [ "$part" = T ]; then  # session 4, one H200 (numpy only): 1 unit a thread fo
   CUDA_VISIBLE_DEVICES=0 timeout 90 python3 scripts/run_notebooks.py --gpu --out "$R/notebooks" \
     notebooks/02_activation_fp8.ipynb > "$R/notebooks.log" 2>&1
   echo "notebooks rc=$?" >> "$R/notebooks.log"
-  tar czf "$OUT/session_$part.tgz" -C "$R" .
-  grep -hE "passed|failed|rc=" "$R"/pytest_*.log | tail -3; grep -hE "^(FAILED|ERROR) |^E  " "$R"/pytest_*.log | head -10
-  tail -2 "$R/notebooks.log"; cat "$R/bench_0.log" | cut -c1-200 | tail -8
+  tail -2 "$R/notebooks.log"
+  report 8
   exit 0
 fi
 
@@ -175,10 +175,7 @@ if [ "$part" = K ]; then  # session 3 (after staging numpy,model,vllm,fa3,flashi
     tail -25 "$R/generate.log" >> "$R/bench_1.log" ) &
   second=$!
   wait $first $second
-  tar czf "$OUT/session_$part.tgz" -C "$R" .
-  grep -hE "passed|failed|rc=|ERROR SUMMARY" "$R"/pytest_*.log | tail -5
-  grep -hE "^(FAILED|ERROR) |^E  " "$R"/pytest_*.log | head -20
-  cat "$R/bench_0.log" "$R/bench_1.log" | cut -c1-200 | tail -70
+  report 70
   exit 0
 elif [ "$part" = L ]; then  # session 3, right after K: HF's static-cache compile, notebooks, memcheck
   ( echo "=== hf-compile $(date +%T)" >> "$R/bench_0.log"
