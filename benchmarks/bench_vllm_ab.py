@@ -31,6 +31,10 @@ Each process reports, with greedy decoding (temperature 0) and EOS ignored:
   inside CUDA graphs included), which is what explains a TPOT difference;
 * the plug-in's routes and routing counts from the worker (``loomnb.integrations.vllm.report``).
 
+``--configs`` may add ``loomnb_norms``, ``loomnb_silu`` and ``loomnb_rope``: (b) with one op
+family given to loomnb (``engine_kwargs("loomnb", ops=...)``), tokens only, each compared with
+(b) -- which op a (c)-vs-(b) token difference comes from.
+
 The parent writes one JSON to ``benchmarks/results/vllm_ab_<stamp>_<gpu>.json`` with every
 run, the comparisons and the targets: tokens of (c) identical to (b); TPOT of (c) >= 1.0x the
 faster of (a) and (b) at each batch, in both orders.
@@ -74,10 +78,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 CONFIGS = ("default", "vllm_ops", "loomnb")
+# (c) with one op family at a time given to loomnb, the rest to vLLM's own CUDA ops: token
+# check only (no timing), to trace a (c)-vs-(b) token difference to an op
+ISOLATED = {"loomnb_norms": ("rms_norm", "fused_add_rms_norm"),
+            "loomnb_silu": ("SiluAndMul",),
+            "loomnb_rope": ("RotaryEmbedding",)}
+ALL_CONFIGS = CONFIGS + tuple(ISOLATED)
 LABELS = {"default": "(a) vLLM default (Inductor-generated kernels)",
           "vllm_ops": "(b) vLLM with its CUDA custom ops",
-          "loomnb": "(c) vLLM + loomnb"}
-ORDERS = {"forward": CONFIGS, "reversed": tuple(reversed(CONFIGS))}
+          "loomnb": "(c) vLLM + loomnb",
+          "loomnb_norms": "(b) with only the norms given to loomnb (tokens only)",
+          "loomnb_silu": "(b) with only SiLU-and-mul given to loomnb (tokens only)",
+          "loomnb_rope": "(b) with only RoPE given to loomnb (tokens only)"}
+ORDERS = {"forward": ALL_CONFIGS, "reversed": tuple(reversed(ALL_CONFIGS))}
 PLUGIN_ENTRY = "loomnb = loomnb.integrations.vllm:register"
 CHECK_PROMPTS = [
     "The capital of France is",
@@ -216,7 +229,7 @@ class FakeEngine:
     fails that start and ``LOOMNB_FAKE_HANG=<config>`` hangs after the results are written (the
     parent's failure and timeout paths)."""
 
-    SPEED = {"default": 1.0, "vllm_ops": 0.95, "loomnb": 0.9}
+    SPEED = {"default": 1.0, "vllm_ops": 0.95, "loomnb": 0.9, **{c: 0.9 for c in ISOLATED}}
     VOCAB = 49152
 
     def __init__(self, config, plan, kwargs):
@@ -267,7 +280,7 @@ class FakeEngine:
         return counts
 
     def plugin_report(self):
-        if self.config != "loomnb":
+        if not self.config.startswith("loomnb"):
             return {"loaded": False}
         return {"loaded": True, "plugin": "loomnb.integrations.vllm (fake engine)",
                 "routes": [], "routed_counts": {"rms_norm": 1, "fused_add_rms_norm": 60},
@@ -326,7 +339,7 @@ def run_child(args):
                     "logprobs": lps}
     out["timing"] = {}
     n = plan["tokens"]
-    for batch in plan["batches"]:
+    for batch in plan["batches"] if args.config in CONFIGS else ():  # ISOLATED: tokens only
         prompts = timing_prompts(batch)
         engine.generate(prompts, 8)  # warm-up at this batch size
         full, first = [], []
@@ -345,7 +358,7 @@ def run_child(args):
                                      "tpot_ms": (tf - t1) / (n - 1) * 1e3,
                                      "tokens_per_s": batch * n / tf}
     out["launches"] = {str(b): launches(engine, timing_prompts(b), plan["profile_steps"])
-                       for b in plan["profile_batches"]}
+                       for b in (plan["profile_batches"] if args.config in CONFIGS else ())}
     out["plugin"] = engine.plugin_report()
     Path(args.child_out).write_text(json.dumps(out, indent=1))
     engine.finish()
@@ -371,9 +384,10 @@ def child_env(config, plugin_site, compile_cache):
     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if not compile_cache:
         env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
-    # (a)/(b): no general plug-in at all; (c): loomnb's only.
-    env["VLLM_PLUGINS"] = "loomnb" if config == "loomnb" else ""
-    paths = [str(REPO)] + ([plugin_site] if config == "loomnb" else [])
+    # (a)/(b): no general plug-in at all; (c) and the ISOLATED ones: loomnb's only.
+    ours = config.startswith("loomnb")
+    env["VLLM_PLUGINS"] = "loomnb" if ours else ""
+    paths = [str(REPO)] + ([plugin_site] if ours else [])
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
@@ -448,7 +462,8 @@ def analyse(runs, plan):
     orders = sorted({r["order"] for r in runs}, key=list(ORDERS).index)
     tokens, tpot, init, launch = [], {}, {}, {}
     for order in orders:
-        for x, y in (("loomnb", "vllm_ops"), ("loomnb", "default"), ("vllm_ops", "default")):
+        pairs = [("loomnb", "vllm_ops"), ("loomnb", "default"), ("vllm_ops", "default")]
+        for x, y in pairs + [(c, "vllm_ops") for c in ISOLATED]:
             if (order, x) in by and (order, y) in by:
                 tokens.append(compare_tokens(by[(order, x)], by[(order, y)]))
         tpot[order] = {}
@@ -467,12 +482,18 @@ def analyse(runs, plan):
                                                          "error")}
                              for b, v in by[(order, c)]["launches"].items()}
                          for c in CONFIGS if (order, c) in by}
-    across = [compare_tokens(by[(orders[0], c)], by[(orders[1], c)]) for c in CONFIGS
+    across = [compare_tokens(by[(orders[0], c)], by[(orders[1], c)]) for c in ALL_CONFIGS
               if len(orders) > 1 and (orders[0], c) in by and (orders[1], c) in by]
     c_vs_b = [t for t in tokens if t["a"].startswith("loomnb/") and t["b"].startswith("vllm_ops/")]
     ratios = [v["loomnb_speedup_vs_faster_peer"] for o in tpot.values() for v in o.values()]
+    by_op = {}
+    for t in tokens:
+        c = t["a"].split("/")[0]
+        if c in ISOLATED and t["b"].startswith("vllm_ops/"):
+            by_op[c] = by_op.get(c, True) and t["identical"]
     targets = {
         "tokens_c_identical_to_b": bool(c_vs_b) and all(t["identical"] for t in c_vs_b),
+        "tokens_identical_to_b_with_only": by_op,
         "tpot_c_vs_faster_of_a_b": {o: {b: v["loomnb_speedup_vs_faster_peer"]
                                         for b, v in rows.items()} for o, rows in tpot.items()},
         "tpot_target_met": bool(ratios) and all(r is not None and r >= 1.0 for r in ratios),
@@ -542,8 +563,8 @@ def run_parent(args):
     configs = [c for c in args.configs.split(",") if c]
     orders = [o for o in args.orders.split(",") if o]
     for c in configs:
-        if c not in CONFIGS:
-            sys.exit(f"--configs: unknown configuration {c!r}; known: {', '.join(CONFIGS)}")
+        if c not in ALL_CONFIGS:
+            sys.exit(f"--configs: unknown configuration {c!r}; known: {', '.join(ALL_CONFIGS)}")
     for o in orders:
         if o not in ORDERS:
             sys.exit(f"--orders: unknown order {o!r}; known: {', '.join(ORDERS)}")
@@ -552,6 +573,7 @@ def run_parent(args):
     sys.path.insert(0, str(REPO))
     from loomnb.integrations.vllm import engine_kwargs  # the exact settings the children get
     kwargs = {c: engine_kwargs(c) for c in CONFIGS}
+    kwargs.update({c: engine_kwargs("loomnb", ops=ops) for c, ops in ISOLATED.items()})
     tmp = tempfile.mkdtemp(prefix="loomnb_vllm_ab_")
     plugin_site = write_entry_point(tmp)
     started = datetime.datetime.now()
@@ -577,7 +599,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3, help="timed generations per batch (median)")
     ap.add_argument("--quick", action="store_true",
                     help="1 rep of 128 tokens, launches profiled at batch 1 only")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="configurations to run")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help="configurations to run: " + ", ".join(ALL_CONFIGS) + " (the last "
+                         "three: one op family given to loomnb, tokens only)")
     ap.add_argument("--orders", default="forward,reversed", help="orders to run them in")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
@@ -592,7 +616,7 @@ def main(argv=None):
     # internal: one configuration in a child process
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--engine", default=None, choices=("vllm", "fake"), help=argparse.SUPPRESS)
-    ap.add_argument("--config", choices=CONFIGS, help=argparse.SUPPRESS)
+    ap.add_argument("--config", choices=ALL_CONFIGS, help=argparse.SUPPRESS)
     ap.add_argument("--order", help=argparse.SUPPRESS)
     ap.add_argument("--position", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--plan", help=argparse.SUPPRESS)

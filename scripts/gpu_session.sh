@@ -32,7 +32,10 @@
 #   bash scripts/gpu_session.sh J   # the vLLM A/B (bench_vllm_ab.py --quick; AB_QUICK= for the full
 #                                   # run), one order per GPU, after staging with gpu_stage.py
 #                                   # --what numpy,vllm-engine (AB_ORDER=forward|reversed: that order
-#                                   # alone on GPU 0, for a one-GPU machine)
+#                                   # alone on GPU 0, for a one-GPU machine; AB_TESTS=1 first runs
+#                                   # the RoPE GPU tests and the plug-in's tests against this vLLM;
+#                                   # AB_CONFIGS=vllm_ops,loomnb_norms,loomnb_silu,loomnb_rope: which
+#                                   # op a token difference comes from)
 # Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
 # with the other GPU's process. Everything (logs, result JSON/CSV) goes into one archive
 # $OUT/session_<part>.tgz, and the summary lines are printed last.
@@ -199,6 +202,16 @@ fi
 
 if [ "$part" = J ]; then  # vLLM 0.24 itself with and without loomnb (staged with --what numpy,vllm-engine)
   python3 /tmp/stage/files/gguf_to_hf.py "$LOOMNB_SMOLLM2_GGUF" /tmp/smollm2-hf > "$R/gguf_to_hf.log" 2>&1
+  if [ -n "${AB_TESTS:-}" ]; then  # first: the RoPE family's and the plug-in's tests against this vLLM
+    export LOOMNB_VLLM_LIB=${LOOMNB_VLLM_LIB:-/tmp/stage/vllm-0.24.0-trimmed/vllm/_C_stable_libtorch.abi3.so}
+    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -q -rs -m gpu -p no:cacheprovider \
+      tests/test_rope_cache_gpu.py > "$OUT/pytest_rope_gpu.log" 2>&1
+    echo "pytest rope_gpu rc=$?" >> "$OUT/pytest_rope_gpu.log"
+    CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest -q -rs -p no:cacheprovider \
+      tests/test_vllm_plugin.py > "$OUT/pytest_vllm_plugin.log" 2>&1
+    echo "pytest vllm_plugin rc=$?" >> "$OUT/pytest_vllm_plugin.log"
+    tail -4 "$OUT/pytest_rope_gpu.log" "$OUT/pytest_vllm_plugin.log" | cut -c1-300
+  fi
   ab() {  # ab GPU ORDER CONFIGS: one order of the A/B on one GPU, results straight into $OUT
     CUDA_VISIBLE_DEVICES=$1 timeout "${AB_LIMIT:-290}" python3 benchmarks/bench_vllm_ab.py --model /tmp/smollm2-hf \
       ${AB_QUICK---quick} --orders "$2" --configs "$3" --timeout 200 --out "$OUT/ab_$2.json" > "$OUT/ab_$2.log" 2>&1

@@ -336,6 +336,81 @@ def test_torch_compile_around_the_fused_op():
     assert_same(kvc, want_c, "compiled cache")
 
 
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("kind, cs_kind, rot_dim, head_size", [
+    ("bf16", "bf16", 64, 64), ("bf16", "f32", 32, 96), ("f16", "f16", 128, 128),
+    ("f32", "f32", 24, 80)])
+def test_apply_rope_out_of_place(kind, cs_kind, rot_dim, head_size, is_neox):
+    """The out-of-place form on slices of a fused QKV buffer (SmolLM2's 9/3 heads): the oracle's
+    bits, the in-place op's bits, the QKV buffer unmodified, contiguous outputs; partial rotary
+    copies the other channels (vector path at 32/96, scalar at f32)."""
+    T, Hq, Hk = 37, 9, 3
+    D = head_size
+    g = torch.Generator(device="cuda").manual_seed(rot_dim + D)
+    qkv = (torch.randn(T, (Hq + 2 * Hk) * D, generator=g, device="cuda") * 3).to(TORCH_DT[kind])
+    q, k, _ = split(qkv, Hq, Hk, D, T)
+    pos = torch.randint(0, MAX_POS, (T,), generator=g, device="cuda")
+    cs = cos_sin_cache(rot_dim, TORCH_DT[cs_kind])
+    before = qkv.clone()
+    qo, ko = loomnb.apply_rope_with_cos_sin_cache(pos, q, k, D, cs, is_neox)
+    torch.cuda.synchronize()
+    assert torch.equal(qkv.view(torch.uint8), before.view(torch.uint8)), "inputs unmodified"
+    assert qo.shape == q.shape and ko.shape == k.shape and qo.is_contiguous() and ko.is_contiguous()
+    want = loomnb.oracle.apply_rope_with_cos_sin_cache(to_np(pos), to_np(q), to_np(k), D,
+                                                        to_np(cs), is_neox)
+    assert_same(qo, want[0], "query_out")
+    assert_same(ko, want[1], "key_out")
+    qi, ki = q.clone(), k.clone()
+    loomnb.rotary_embedding(pos, qi, ki, D, cs, is_neox)
+    assert torch.equal(qo.view(torch.uint8), qi.view(torch.uint8)), "query_out vs in place"
+    assert torch.equal(ko.view(torch.uint8), ki.view(torch.uint8)), "key_out vs in place"
+
+
+def test_apply_rope_replay_graph_and_torch_compile():
+    """The eager fast path allocates new outputs on each replayed call; CUDA-graph capture; and
+    under torch.compile the out-of-place op on views of a QKV buffer is one loomnb node with no
+    copy of the views (what the vLLM plug-in relies on)."""
+    from torch._inductor.utils import run_and_get_code
+    T, Hq, Hk, D = 4, 9, 3, 64
+    g = torch.Generator(device="cuda").manual_seed(8)
+    qkv = (torch.randn(T, (Hq + 2 * Hk) * D, generator=g, device="cuda")).to(torch.bfloat16)
+    q, k, _ = split(qkv, Hq, Hk, D, T)
+    pos = torch.randint(0, MAX_POS, (T,), generator=g, device="cuda")
+    cs = cos_sin_cache(D, torch.bfloat16)
+    want = [w.copy() for w in loomnb.oracle.apply_rope_with_cos_sin_cache(
+        to_np(pos), to_np(q), to_np(k), D, to_np(cs), True)]
+    L.clear_launch_cache()
+    a = loomnb.apply_rope_with_cos_sin_cache(pos, q, k, D, cs, True)
+    info = loomnb.ops.launch_cache_info()
+    b = loomnb.apply_rope_with_cos_sin_cache(pos, q, k, D, cs, True)
+    assert loomnb.ops.launch_cache_info() == info, "the second eager call replays"
+    assert b[0].data_ptr() != a[0].data_ptr() and b[1].data_ptr() != a[1].data_ptr()
+    for got in (a, b):
+        assert_same(got[0], want[0], "query_out")
+        assert_same(got[1], want[1], "key_out")
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    gr = _graph(lambda: loomnb.apply_rope_with_cos_sin_cache(pos, q, k, D, cs, True,
+                                                             query_out=qo, key_out=ko))
+    qo.zero_()
+    gr.replay()
+    torch.cuda.synchronize()
+    assert_same(qo, want[0], "graph query_out")
+    assert_same(ko, want[1], "graph key_out")
+
+    def f(qkv, pos):
+        q, k, v = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
+        q, k = loomnb.apply_rope_with_cos_sin_cache(pos, q, k, D, cs, True)
+        return q * 2, k, v
+
+    (oq, ok, _), codes = run_and_get_code(torch.compile(f, fullgraph=True), qkv, pos)
+    torch.cuda.synchronize()
+    assert_same(oq, (want[0].astype(np.float32) * 2).astype(want[0].dtype), "compiled query")
+    assert_same(ok, want[1], "compiled key")
+    code = "\n".join(codes)
+    assert code.count("torch.ops.loomnb.apply_rope_with_cos_sin_cache.default") == 1, code
+    assert "copy_" not in code and "auto_functionalized" not in code, code
+
+
 def test_host_arrays_and_devices_are_rejected():
     q = torch.zeros(2, 64, dtype=torch.bfloat16)
     with pytest.raises(loomnb.LoomnbTypeError, match="argument 'positions' must be a CUDA device array"):

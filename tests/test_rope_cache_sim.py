@@ -238,6 +238,77 @@ def test_two_dimensional_positions():
     assert_bits(k1, k2, "key")
 
 
+# ---------------------------------------------------------------------------------- out of place
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("kind, cs_kind", [("bf16", "bf16"), ("bf16", "f32"), ("f16", "f16"),
+                                           ("f32", "f32")])
+def test_apply_rope_out_of_place_equals_in_place(kind, cs_kind, is_neox):
+    """apply_rope_with_cos_sin_cache on slices of a fused QKV buffer: the oracle's bits, the
+    in-place op's bits, contiguous new outputs, and the QKV buffer unmodified."""
+    rng = np.random.default_rng(12)
+    T, Hq, Hk, D = 3, 4, 2, 64
+    buf, q, k, _ = qkv_buffer(rng, T, Hq, Hk, D, kind, pad=8)
+    before = buf.copy()
+    positions = rng.integers(0, MAX_POS, T).astype(np.int64)
+    cs = cos_sin_cache(D, DT[cs_kind])
+    got, want, _, _ = call_both("apply_rope_with_cos_sin_cache", positions, q, k, D, cs, is_neox)
+    assert_bits(buf, before, "the QKV buffer (inputs) unmodified")
+    for g, w, src, name in ((got[0], want[0], q, "query_out"), (got[1], want[1], k, "key_out")):
+        assert g.shape == src.shape and g.flags.c_contiguous, name
+        assert_bits(g, w, name)
+    inplace = before.copy()
+    loomnb.rotary_embedding(positions, inplace[:, :Hq * D], inplace[:, Hq * D:(Hq + Hk) * D], D,
+                            cs, is_neox)
+    assert_bits(got[0], inplace[:, :Hq * D], "query_out vs in place")
+    assert_bits(got[1], inplace[:, Hq * D:(Hq + Hk) * D], "key_out vs in place")
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("D, rot_dim", [(96, 32), (64, 8), (65, 16)])
+def test_apply_rope_partial_rotary_copies_the_other_channels(D, rot_dim, is_neox):
+    """rot_dim < head_size: the channels past rot_dim are copied bit for bit (NaN payloads
+    too), in both kernel layouts (96/32: 16-byte units; 64/8 and 65/16: scalar); 3-D views and
+    outputs passed by the caller."""
+    rng = np.random.default_rng(D + rot_dim)
+    T, Hq, Hk = 2, 2, 1
+    q = (rng.standard_normal((T, Hq, D)) * 3).astype(BF16)
+    k = (rng.standard_normal((T, Hk, D)) * 3).astype(BF16)
+    bits(q)[:, :, rot_dim::5] = 0x7FC1
+    cs = cos_sin_cache(rot_dim, BF16)
+    positions = np.array([5, 9], np.int64)
+    qo, ko = np.full_like(q, 7), np.full_like(k, 7)
+    got = loomnb.apply_rope_with_cos_sin_cache(positions, q, k, D, cs, is_neox, query_out=qo,
+                                               key_out=ko)
+    assert got[0] is qo and got[1] is ko
+    want = loomnb.oracle.apply_rope_with_cos_sin_cache(positions, q, k, D, cs, is_neox)
+    assert_bits(qo, want[0], "query_out")
+    assert_bits(ko, want[1], "key_out")
+    assert_bits(qo[:, :, rot_dim:], q[:, :, rot_dim:], "pass-through channels")
+
+
+def test_apply_rope_out_of_place_contract():
+    """Bad arguments are refused before any launch, naming the argument; zero tokens is a
+    no-op that returns empty outputs."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 128)).astype(BF16)
+    k = rng.standard_normal((2, 64)).astype(BF16)
+    cs = cos_sin_cache(64, BF16)
+    pos = np.array([1, 2], np.int64)
+    with pytest.raises(loomnb.LoomnbTypeError, match="'key'"):
+        loomnb.apply_rope_with_cos_sin_cache(pos, q, None, 64, cs, True)
+    with pytest.raises(loomnb.LoomnbValueError, match="'query_out'"):
+        loomnb.apply_rope_with_cos_sin_cache(pos, q, k, 64, cs, True,
+                                             query_out=np.zeros((2, 64), BF16))
+    with pytest.raises(loomnb.LoomnbTypeError, match="'key_out'"):
+        loomnb.apply_rope_with_cos_sin_cache(pos, q, k, 64, cs, True,
+                                             key_out=np.zeros((2, 64), np.float16))
+    with pytest.raises(loomnb.LoomnbValueError, match="'query_out'"):
+        loomnb.apply_rope_with_cos_sin_cache(pos, q, k, 64, cs, True, query_out=q)
+    qo, ko = loomnb.apply_rope_with_cos_sin_cache(np.zeros(0, np.int64), q[:0], k[:0], 64, cs,
+                                                  True)
+    assert qo.shape == (0, 128) and ko.shape == (0, 64)
+
+
 # ---------------------------------------------------------------------------------- cache ops
 @pytest.mark.parametrize("kv", ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("layout", pk.KV_LAYOUTS)
@@ -398,4 +469,6 @@ def test_every_public_combination_is_declared():
     kinds = {(s.rope, s.cache) for s in specs}
     assert kinds == {(True, "none"), (False, "flash"), (False, "legacy"), (True, "flash"),
                      (True, "legacy")}
+    assert {(s.kind, s.neox) for s in specs if s.out} == {(k, n) for k in ("bf16", "f16", "f32")
+                                                         for n in (True, False)}
     assert {s.form for s in specs} == {"ae", "nn"}

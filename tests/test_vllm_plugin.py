@@ -198,15 +198,17 @@ def loomnb_ops(monkeypatch):
         return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
 
     @_traced_stub
-    def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox,
-                         rope_dim_offset=0, inverse=False, *, stream=None):
-        CALLS.append(("loomnb rotary_embedding", head_size, is_neox))
-        return query, key
+    def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cache,
+                                      is_neox=True, *, query_out=None, key_out=None, stream=None):
+        CALLS.append(("loomnb apply_rope", head_size, is_neox))
+        return query.clone(), key.clone()  # new tensors, as the out-of-place op returns
 
     monkeypatch.setattr(loomnb, "silu_and_mul", silu_and_mul, raising=False)
-    monkeypatch.setattr(loomnb, "rotary_embedding", rotary_embedding, raising=False)
+    monkeypatch.setattr(loomnb, "apply_rope_with_cos_sin_cache", apply_rope_with_cos_sin_cache,
+                        raising=False)
     monkeypatch.setattr(V, "_CUDA", "cpu")  # route CPU tensors: the stubs run anywhere
-    return types.SimpleNamespace(silu_and_mul=silu_and_mul, rotary_embedding=rotary_embedding)
+    return types.SimpleNamespace(silu_and_mul=silu_and_mul,
+                                 apply_rope_with_cos_sin_cache=apply_rope_with_cos_sin_cache)
 
 
 def routes():
@@ -285,12 +287,13 @@ def test_vllm_not_importable(monkeypatch):
 
 def test_missing_loomnb_ops_are_listed_and_left_to_vllm(fake_vllm, monkeypatch):
     monkeypatch.delattr(loomnb, "silu_and_mul", raising=False)
-    monkeypatch.delattr(loomnb, "rotary_embedding", raising=False)
+    monkeypatch.delattr(loomnb, "apply_rope_with_cos_sin_cache", raising=False)
     V.register()
     rs = routes()
     assert not rs["SiluAndMul"].routed
     assert rs["SiluAndMul"].reason == "loomnb has no silu_and_mul in this version"
-    assert rs["RotaryEmbedding"].reason == "loomnb has no rotary_embedding in this version"
+    assert rs["RotaryEmbedding"].reason == ("loomnb has no apply_rope_with_cos_sin_cache in this "
+                                            "version")
     assert fake_vllm.oot == {}
     assert V.engine_kwargs("loomnb")["compilation_config"]["custom_ops"] == [
         "none", "+silu_and_mul", "+rotary_embedding"]
@@ -298,10 +301,10 @@ def test_missing_loomnb_ops_are_listed_and_left_to_vllm(fake_vllm, monkeypatch):
 
 def test_loomnb_op_with_other_parameters_is_not_routed(fake_vllm, loomnb_ops, monkeypatch):
     @_traced_stub
-    def rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox):
+    def apply_rope_with_cos_sin_cache(positions, q, k, head_size, cos_sin_cache, is_neox):
         raise AssertionError
 
-    monkeypatch.setattr(loomnb, "rotary_embedding", rotary_embedding)
+    monkeypatch.setattr(loomnb, "apply_rope_with_cos_sin_cache", apply_rope_with_cos_sin_cache)
     V.register()
     r = routes()["RotaryEmbedding"]
     assert not r.routed and "leading parameters" in r.reason
@@ -348,17 +351,18 @@ def test_rotary_embedding_class_routes_and_falls_back(fake_vllm, loomnb_ops):
     qkv = torch.randn(5, (9 + 3 + 3) * 64, dtype=BF16)
     q, k = qkv[:, :576], qkv[:, 576:768]                       # views of the fused QKV buffer
     positions = torch.arange(5)
-    assert op.forward_cuda(positions, q, k) == (q, k)
-    assert CALLS == [("loomnb rotary_embedding", 64, True)]
+    qo, ko = op.forward_cuda(positions, q, k)                  # loomnb's: new tensors returned
+    assert qo is not q and ko is not k and torch.equal(qo, q) and torch.equal(ko, k)
+    assert CALLS == [("loomnb apply_rope", 64, True)]
     op.forward_cuda(positions.int(), q, k)                     # int32 positions: vLLM's
-    op.forward_cuda(positions, q, None)                        # no key: loomnb's
+    assert op.forward_cuda(positions, q, None) == (q, None)    # no key: vLLM's, in place
     op.use_flashinfer = True
     op.forward_cuda(positions, q, k)                           # FlashInfer path: vLLM's
-    assert CALLS[1:] == ["vllm rotary_embedding", ("loomnb rotary_embedding", 64, True),
-                         "vllm rotary_embedding"]
-    assert V.routed_counts() == {"rotary_embedding": 2}
+    assert CALLS[1:] == ["vllm rotary_embedding"] * 3
+    assert V.routed_counts() == {"rotary_embedding": 1}
     assert V.fallback_counts() == {"rotary_embedding": {
         "positions is not int64 on the query's device": 1,
+        "key is None (the out-of-place form rotates a query and a key)": 1,
         "vLLM selected its FlashInfer rotary path": 1}}
 
 
@@ -487,7 +491,8 @@ def test_rotary_embedding_fallback_reasons(monkeypatch):
     reason = V.rotary_embedding_fallback_reason
     assert reason(pos, q, k, 64, cache) is None
     assert reason(pos, q.view(5, 9, 64), k.view(5, 3, 64), 64, cache) is None
-    assert reason(pos, q, None, 64, _x(32, 32)) is None                       # partial rotary
+    assert reason(pos, q, k, 64, _x(32, 32)) is None                          # partial rotary
+    assert reason(pos, q, None, 64, cache).startswith("key is None")
     assert reason(pos, q, k, 64, cache.float()).startswith("cos_sin_cache is not")
     assert reason(pos, q, k, 64, _x(32, 66)).startswith("rot_dim")
     assert reason(pos, q, k, 64, _x(32, 62)) is None
@@ -561,6 +566,19 @@ def test_engine_kwargs(monkeypatch, loomnb_ops):
         "compilation_config": {"custom_ops": ["none", "+SiluAndMul", "+RotaryEmbedding"]}}
     with pytest.raises(LoomnbValueError, match="argument 'config' must be one of"):
         V.engine_kwargs("fast")
+    # one op at a time: the others take vLLM's own CUDA ops
+    assert V.engine_kwargs("loomnb", ops=("rms_norm", "fused_add_rms_norm")) == {
+        "ir_op_priority": {"rms_norm": ["loomnb", "vllm_c", "native"],
+                           "fused_add_rms_norm": ["loomnb", "vllm_c", "native"]},
+        "compilation_config": {"custom_ops": ["none", "+silu_and_mul", "+rotary_embedding"]}}
+    assert V.engine_kwargs("loomnb", ops="RotaryEmbedding") == {
+        "ir_op_priority": {"rms_norm": ["vllm_c", "native"], "fused_add_rms_norm": ["vllm_c", "native"]},
+        "compilation_config": {"custom_ops": ["none", "+silu_and_mul", "+RotaryEmbedding"]}}
+    assert V.engine_kwargs("loomnb", ops=V.OPS) == V.engine_kwargs("loomnb")
+    for bad in (("silu_and_mul",), ("rms_norm",)):
+        cfg = "loomnb" if bad == ("silu_and_mul",) else "vllm_ops"
+        with pytest.raises(LoomnbValueError, match="argument 'ops' must be a subset"):
+            V.engine_kwargs(cfg, ops=bad)
 
 
 def test_entry_point_is_declared():
@@ -569,6 +587,14 @@ def test_entry_point_is_declared():
     assert eps == {"loomnb": "loomnb.integrations.vllm:register"}
     module, func = eps["loomnb"].split(":")
     assert getattr(importlib.import_module(module), func) is V.register
+
+
+def test_this_loomnbs_ops_are_routable():
+    """The real ops (not the stubs) have the parameters and torch custom ops the CustomOp routes
+    call, so a vLLM run with this checkout routes all four ops."""
+    for _, _, name, params, _ in V.CUSTOM_OPS.values():
+        fn, why = V.loomnb_op(name, params)
+        assert fn is getattr(loomnb, name) and why is None, why
 
 
 def test_importing_loomnb_imports_neither_vllm_nor_the_plugin(tmp_path):
@@ -673,6 +699,33 @@ def test_bench_dry_run_end_to_end(tmp_path):
             assert a["tpot"][order][batch]["loomnb_speedup_vs_faster_peer"] == pytest.approx(0.95 / 0.9)
     assert a["targets"]["tpot_target_met"] and a["targets"]["all_runs_completed"]
     assert "TPOT (ms)" in p.stdout and "first divergence 3@5" in p.stdout
+
+
+def test_bench_one_op_at_a_time(tmp_path):
+    """The ISOLATED configurations give one op family to loomnb each (the plug-in loaded, the
+    engine arguments of engine_kwargs(ops=...)), check tokens only, and each is compared with
+    (b): a divergence injected into the norms' run is traced to the norms."""
+    out = tmp_path / "iso.json"
+    env = dict(os.environ, LOOMNB_FAKE_DIVERGE="loomnb_norms:0:17")
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_vllm_ab.py"), "--dry-run",
+                        "--configs", "vllm_ops,loomnb_norms,loomnb_silu,loomnb_rope",
+                        "--orders", "forward", "--out", str(out)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = json.loads(out.read_text())
+    assert [r["config"] for r in res["runs"]] == ["vllm_ops", "loomnb_norms", "loomnb_silu",
+                                                  "loomnb_rope"]
+    for r in res["runs"][1:]:
+        assert r["env"]["VLLM_PLUGINS"] == "loomnb" and r["plugin"]["loaded"]
+        assert r["timing"] == {} and r["launches"] == {}
+    assert res["runs"][1]["engine_kwargs"] == V.engine_kwargs(
+        "loomnb", ops=("rms_norm", "fused_add_rms_norm"))
+    assert res["runs"][3]["engine_kwargs"]["compilation_config"]["custom_ops"] == [
+        "none", "+silu_and_mul", "+RotaryEmbedding"]
+    t = res["analysis"]["targets"]
+    assert t["tokens_identical_to_b_with_only"] == {"loomnb_norms": False, "loomnb_silu": True,
+                                                    "loomnb_rope": True}
+    assert t["all_runs_completed"]
 
 
 def test_bench_merge_of_one_order_per_run(tmp_path):

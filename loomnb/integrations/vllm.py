@@ -18,8 +18,9 @@ through vLLM 0.24.0's own mechanisms (read from its sources):
 * ``vllm.ir.ops.fused_add_rms_norm`` -> ``loomnb.fused_add_rms_norm(x, x_residual, weight, eps,
   rounding="once")``, in place; ``ir_op_priority`` ``fused_add_rms_norm = [...]`` likewise;
 * ``SiluAndMul`` (a CustomOp) -> ``loomnb.silu_and_mul(x)``; ``custom_ops`` ``"+SiluAndMul"``;
-* ``RotaryEmbedding`` -> ``loomnb.rotary_embedding(positions, query, key, head_size,
-  cos_sin_cache, is_neox)``, in place; ``custom_ops`` ``"+RotaryEmbedding"``.
+* ``RotaryEmbedding`` -> ``loomnb.apply_rope_with_cos_sin_cache(positions, query, key,
+  head_size, cos_sin_cache, is_neox)``, out of place (the rotated query and key are new
+  tensors, the bits of vLLM's in-place op); ``custom_ops`` ``"+RotaryEmbedding"``.
 
 * **IR ops** (``model_executor/layers/layernorm.py`` calls ``vllm.ir.ops.rms_norm`` and
   ``fused_add_rms_norm.maybe_inplace``): the plug-in registers provider ``"loomnb"`` with
@@ -37,6 +38,12 @@ through vLLM 0.24.0's own mechanisms (read from its sources):
   ``"+RotaryEmbedding"`` in ``compilation_config["custom_ops"]`` (``"+silu_and_mul"`` enables
   vLLM's own CUDA op and leaves the loomnb class on its torch-native forward). Registered only
   when ``loomnb`` has the op (``hasattr(loomnb, name)``) with the signature called here.
+  RoPE is routed to the out-of-place form: under torch.compile an in-place custom op on the
+  query and key (views of the QKV GEMM's output) is functionalised, and Inductor lowers that
+  to a copy of both views before the op and a scatter after it -- two kernels a layer, 62 µs a
+  decode step of SmolLM2 at batch 1 (measured). vLLM turns its own in-place ops back into
+  in-place calls (``FixFunctionalizationPass``, a fixed list with no hook for plug-ins); an
+  out-of-place op has nothing to undo.
 
 **Fallbacks.** Each call is checked on metadata only -- dtype, device, shape, strides -- by
 :func:`rms_norm_fallback_reason`, :func:`silu_and_mul_fallback_reason` and
@@ -78,7 +85,7 @@ from ..ops import _contract as C
 __all__ = ["register", "routes", "report", "summary", "routed_counts", "fallback_counts",
            "reset_counts", "engine_kwargs", "rms_norm_fallback_reason",
            "silu_and_mul_fallback_reason", "rotary_embedding_fallback_reason", "loomnb_op", "Route",
-           "PROVIDER", "CONFIGS"]
+           "PROVIDER", "CONFIGS", "OPS"]
 
 PROVIDER = "loomnb"  # the vLLM IR provider name and the entry point's name
 log = logging.getLogger("vllm.loomnb")  # under vLLM's logger, so vLLM's handler prints it
@@ -254,7 +261,7 @@ def silu_and_mul_fallback_reason(x):
 def rotary_embedding_fallback_reason(positions, query, key, head_size, cos_sin_cache):
     """Why loomnb does not take this ``RotaryEmbedding`` call (None: it does).
 
-    Routed: bf16/fp16 CUDA ``query`` (and ``key``, or None) of shape ``[num_tokens, num_heads *
+    Routed: bf16/fp16 CUDA ``query`` and ``key`` of shape ``[num_tokens, num_heads *
     head_size]`` (any row stride: vLLM passes views of the fused QKV buffer) or ``[num_tokens,
     num_heads, head_size]`` with contiguous heads, the key's heads dividing the query's; int64
     ``positions`` ``[num_tokens]``; a
@@ -264,7 +271,9 @@ def rotary_embedding_fallback_reason(positions, query, key, head_size, cos_sin_c
     reason = _device_dtype_reason(query)
     if reason is not None:
         return reason
-    if key is not None and (key.dtype != query.dtype or key.device != query.device):
+    if key is None:
+        return "key is None (the out-of-place form rotates a query and a key)"
+    if key.dtype != query.dtype or key.device != query.device:
         return "key dtype or device differs from query"
     if positions.dtype != torch.int64 or positions.device != query.device:
         return "positions is not int64 on the query's device"
@@ -276,8 +285,6 @@ def rotary_embedding_fallback_reason(positions, query, key, head_size, cos_sin_c
     if cos_sin_cache.shape[1] % 2 or cos_sin_cache.shape[1] > head_size:
         return "rot_dim (cos_sin_cache.size(1)) is odd or larger than head_size"
     for name, t in (("query", query), ("key", key)):
-        if t is None:
-            continue
         if t.dim() == 2:
             ok = t.shape[1] % head_size == 0 and t.stride(1) == 1
         elif t.dim() == 3:
@@ -287,10 +294,9 @@ def rotary_embedding_fallback_reason(positions, query, key, head_size, cos_sin_c
         if not ok:
             return (f"{name} is not [num_tokens, num_heads * head_size] or [num_tokens, "
                     "num_heads, head_size] with contiguous heads")
-    if key is not None:
-        heads = [t.shape[1] // head_size if t.dim() == 2 else t.shape[1] for t in (query, key)]
-        if heads[1] == 0 or heads[0] % heads[1]:
-            return "the key's heads do not divide the query's"
+    heads = [t.shape[1] // head_size if t.dim() == 2 else t.shape[1] for t in (query, key)]
+    if heads[1] == 0 or heads[0] % heads[1]:
+        return "the key's heads do not divide the query's"
     return None
 
 
@@ -387,9 +393,10 @@ def _silu_class(base):
 
 def _rope_class(base):
     class LoomnbRotaryEmbedding(base):
-        """vLLM's ``RotaryEmbedding`` whose CUDA forward is ``loomnb.rotary_embedding(positions,
-        query, key, head_size, cos_sin_cache, is_neox)``, in place (vLLM's own ``forward_cuda``
-        where :func:`rotary_embedding_fallback_reason` gives a reason)."""
+        """vLLM's ``RotaryEmbedding`` whose CUDA forward is
+        ``loomnb.apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cache,
+        is_neox)``, returning new rotated tensors (vLLM's own ``forward_cuda``, in place, where
+        :func:`rotary_embedding_fallback_reason` gives a reason)."""
 
         _loomnb = True
 
@@ -402,9 +409,9 @@ def _rope_class(base):
                                                           cache)
             _note("rotary_embedding", reason)
             if reason is None:
-                loomnb.rotary_embedding(positions, query, key, self.head_size, cache,
-                                        self.is_neox_style)
-                return query, key
+                return loomnb.apply_rope_with_cos_sin_cache(positions, query, key,
+                                                            self.head_size, cache,
+                                                            self.is_neox_style)
             return super().forward_cuda(positions, query, key)
 
     return LoomnbRotaryEmbedding
@@ -416,7 +423,7 @@ CUSTOM_OPS = {
     "SiluAndMul": ("vllm.model_executor.layers.activation", "silu_and_mul", "silu_and_mul",
                    ("x",), _silu_class),
     "RotaryEmbedding": ("vllm.model_executor.layers.rotary_embedding.base", "rotary_embedding",
-                        "rotary_embedding",
+                        "apply_rope_with_cos_sin_cache",
                         ("positions", "query", "key", "head_size", "cos_sin_cache", "is_neox"),
                         _rope_class),
 }
@@ -622,9 +629,10 @@ def summary():
 
 
 CONFIGS = ("default", "vllm_ops", "loomnb")
+OPS = (*IR_OPS, *CUSTOM_OPS)  # what engine_kwargs(ops=...) can give to loomnb
 
 
-def engine_kwargs(config="loomnb"):
+def engine_kwargs(config="loomnb", *, ops=None):
     """Keyword arguments for ``vllm.LLM(...)`` (or ``EngineArgs``) selecting one configuration.
 
     * ``"default"``: ``{}`` -- vLLM 0.24's default: torch.compile with Inductor generating the
@@ -636,19 +644,32 @@ def engine_kwargs(config="loomnb"):
       (:func:`loomnb_op`), vLLM's own op for the others. The plug-in must be loaded
       (the installed entry point, or ``VLLM_PLUGINS=loomnb``).
 
+    ``ops`` (``"loomnb"`` only): the vLLM ops given to loomnb, a subset of :data:`OPS`
+    (``"rms_norm"``, ``"fused_add_rms_norm"``, ``"SiluAndMul"``, ``"RotaryEmbedding"``); the
+    others take vLLM's own CUDA op, as in ``"vllm_ops"``. Default: all of them. One op at a
+    time is how an engine-level difference is traced to an op.
+
     Merge ``compilation_config`` with your own settings if you pass any.
     """
     if config not in CONFIGS:
         raise LoomnbValueError(f"{_OP}.engine_kwargs: argument 'config' must be one of "
                                f"{', '.join(map(repr, CONFIGS))}; got {config!r}")
+    if ops is not None:
+        ops = tuple(ops) if not isinstance(ops, str) else (ops,)
+        unknown = [o for o in ops if o not in OPS]
+        if unknown or config != "loomnb":
+            raise LoomnbValueError(
+                f"{_OP}.engine_kwargs: argument 'ops' must be a subset of {', '.join(OPS)} with "
+                f"config='loomnb'; got {ops!r} with config={config!r}")
     if config == "default":
         return {}
-    first = [PROVIDER] if config == "loomnb" else []
+    ours = set(OPS if ops is None else ops) if config == "loomnb" else set()
     custom = ["none"]
     for cls_name, (_, vllm_name, loomnb_name, params, _) in CUSTOM_OPS.items():
-        ours = config == "loomnb" and loomnb_op(loomnb_name, params)[0] is not None
-        custom.append(f"+{cls_name}" if ours else f"+{vllm_name}")
-    return {"ir_op_priority": {name: first + ["vllm_c", "native"] for name in IR_OPS},
+        mine = cls_name in ours and loomnb_op(loomnb_name, params)[0] is not None
+        custom.append(f"+{cls_name}" if mine else f"+{vllm_name}")
+    return {"ir_op_priority": {name: ([PROVIDER] if name in ours else []) + ["vllm_c", "native"]
+                               for name in IR_OPS},
             "compilation_config": {"custom_ops": custom}}
 
 

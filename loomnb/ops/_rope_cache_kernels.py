@@ -8,9 +8,12 @@ loops when there are more items than threads), in this order:
    ``off + e + 8j``; GPT-J: the two units at ``off + 16j`` (word ``k`` of them is pair ``k``,
    ``x`` in the low half); scalar layout: one pair per item. ``e = rot_dim / 2``, ``off =
    rope_dim_offset``. A key item also writes its rotated (rounded) values to the key cache.
-2. key copy items (``spec.cache``, slot >= 0): the key channels outside the rotated span (all of
+2. pass-through items (``spec.out``): the query's and key's channels outside the rotated span,
+   copied to ``query_out``/``key_out`` (the rotation items write there too; in place, the
+   output arrays are the inputs and there are no such items).
+3. key copy items (``spec.cache``, slot >= 0): the key channels outside the rotated span (all of
    them without ``rope``), straight to the key cache.
-3. value items (``spec.cache``, slot >= 0): the value head, to the value cache.
+4. value items (``spec.cache``, slot >= 0): the value head, to the value cache.
 
 Rotation (fp32, ``c``/``s`` the cache's cos/sin, ``s`` negated for ``inverse``), each output
 rounded once to the activation dtype. Which products are fused into an FMA is ``spec.form``,
@@ -41,7 +44,8 @@ block_size, num_kv_heads, head_size]`` views in both (the legacy value has a hea
 of block_size, so the vector layout stores it element by element).
 
 Parameters (one signature per spec; an unused array is empty): ``positions [T]`` int64,
-``query [T, Hq, D]``, ``key [T, Hk, D]``, ``value [T, Hk, D]``, ``cos_sin_cache [P, rot_dim]``,
+``query [T, Hq, D]``, ``key [T, Hk, D]``, ``query_out``, ``key_out`` (the same arrays as query
+and key unless ``spec.out``), ``value [T, Hk, D]``, ``cos_sin_cache [P, rot_dim]``,
 ``slot_mapping [T']`` int64, ``key_cache``, ``value_cache``, ``k_scale [Hk]``, ``v_scale [Hk]``
 fp32, then ``num_cache_tokens`` (T'), ``rope_dim_offset``, ``e`` (rot_dim / 2), ``head_size``.
 """
@@ -117,6 +121,7 @@ class RopeCacheSpec:
     cache: str = "none"       # CACHES: no cache write, flash views, legacy x-packed key
     kv: str = "auto"          # KV_DTYPES
     layout: str = "scalar"    # "scalar", or "vector" (16-byte units; chosen by the op)
+    out: bool = False         # write the rotated heads to query_out/key_out, not in place
 
     def __post_init__(self):
         assert self.kind in KINDS and self.cache in CACHES and self.kv in KV_DTYPES
@@ -124,6 +129,7 @@ class RopeCacheSpec:
         assert len(self.form) == 2 and self.form[0] in X_FORMS and self.form[1] in Y_FORMS
         assert self.layout in ("vector", "scalar")
         assert not (self.layout == "vector" and self.kind == "f32")
+        assert not self.out or (self.rope and self.cache == "none")
 
     @property
     def cache_itemsize(self):
@@ -149,7 +155,8 @@ def argtypes(spec):
     vc = "uint32" if vec and spec.cache != "legacy" else cstore
     kdim = 5 if spec.cache == "legacy" else 4
     a = L.array_type
-    return (a("int64", 1), a(act, 3), a(act, 3), a(act, 3), a(cs, 2), a("int64", 1),
+    return (a("int64", 1), a(act, 3), a(act, 3), a(act, 3), a(act, 3), a(act, 3), a(cs, 2),
+            a("int64", 1),
             a(kc, kdim), a(vc, 4), a("float32", 1), a("float32", 1),
             L.i64(0).numba_type, L.i64(0).numba_type, L.i64(0).numba_type, L.i64(0).numba_type)
 
@@ -216,7 +223,8 @@ rope_cache_kernel.__name__ = "rope_cache_kernel"
 def _name(spec):
     return (f"rope_cache_{spec.kind}_{spec.cs_kind if spec.rope else 'nocs'}_"
             f"{'neox' if spec.neox else 'gptj'}_{'inv' if spec.inverse else 'fwd'}_{spec.form}_"
-            f"{'rope' if spec.rope else 'norope'}_{spec.cache}_{spec.kv}_{spec.layout}")
+            f"{'rope' if spec.rope else 'norope'}_{spec.cache}_{spec.kv}_{spec.layout}"
+            f"{'_out' if spec.out else ''}")
 
 
 # ------------------------------------------------------------------------------------ scalar
@@ -225,7 +233,7 @@ def _scalar(spec):
     dec, enc_act = codec.decode, codec.encode
     dec_cs = CODECS[spec.cs_kind].decode
     rot = _rotation(spec.form, spec.inverse)
-    ROPE, NEOX = spec.rope, spec.neox
+    ROPE, NEOX, OUT = spec.rope, spec.neox, spec.out
     CACHE, LEGACY = spec.cache != "none", spec.cache == "legacy"
     FP8 = spec.kv != "auto"
     fp8 = _fp8_encoder(spec.kv) if FP8 else None
@@ -246,7 +254,7 @@ def _scalar(spec):
             return fp8(v, scale)
         return enc_act(v)
 
-    def kernel(positions, q, k, v, cs, slots, kc, vc, ks, vs, n_cache, off, e, D):
+    def kernel(positions, q, k, qo, ko, v, cs, slots, kc, vc, ks, vs, n_cache, off, e, D):
         t = int64(cuda.blockIdx.x)
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
@@ -259,9 +267,10 @@ def _scalar(spec):
         nq = Hq * e if ROPE else int64(0)
         nrot = (Hq + Hk) * e if ROPE else int64(0)
         kcopy = D - 2 * e if ROPE else D
+        ncp = (Hq + Hk) * kcopy if OUT else int64(0)
         nkc = Hk * kcopy if write else int64(0)
         nvc = Hk * D if write else int64(0)
-        total = nrot + nkc + nvc
+        total = nrot + ncp + nkc + nvc
         blk = int64(0)
         boff = int64(0)
         if write:
@@ -289,14 +298,25 @@ def _scalar(spec):
                 xo, yo = rot(dec(row[cx]), dec(row[cy]), c, s)
                 bx = enc_act(xo)
                 by = enc_act(yo)
-                row[cx] = bx
-                row[cy] = by
+                orow = ko[t, h] if is_k else qo[t, h]
+                orow[cx] = bx
+                orow[cy] = by
                 if is_k and write:
                     sc = ks[h] if FP8 else float32(1)
                     put_key(kc, blk, boff, h, cx, cache_code(dec(bx), sc))
                     put_key(kc, blk, boff, h, cy, cache_code(dec(by), sc))
-            elif i < nrot + nkc:
+            elif i < nrot + ncp:  # out of place: the channels outside the rotated span
                 ii = i - nrot
+                h = ii // kcopy
+                d = ii - h * kcopy
+                if d >= off:
+                    d += 2 * e
+                if h < Hq:
+                    qo[t, h, d] = q[t, h, d]
+                else:
+                    ko[t, h - Hq, d] = k[t, h - Hq, d]
+            elif i < nrot + ncp + nkc:
+                ii = i - nrot - ncp
                 h = ii // kcopy
                 d = ii - h * kcopy
                 if ROPE and d >= off:
@@ -306,7 +326,7 @@ def _scalar(spec):
                 else:
                     put_key(kc, blk, boff, h, d, k[t, h, d])
             else:
-                ii = i - nrot - nkc
+                ii = i - nrot - ncp - nkc
                 h = ii // D
                 d = ii - h * D
                 if FP8:
@@ -326,7 +346,7 @@ def _vector(spec):
     CS16 = spec.cs_kind in ("bf16", "f16")
     cs_unpack = CODECS[spec.cs_kind].unpack if CS16 else None
     rot = _rotation(spec.form, spec.inverse)
-    ROPE, NEOX = spec.rope, spec.neox
+    ROPE, NEOX, OUT = spec.rope, spec.neox, spec.out
     CACHE, LEGACY = spec.cache != "none", spec.cache == "legacy"
     FP8 = spec.kv != "auto"
     fp8 = _fp8_encoder(spec.kv) if FP8 else None
@@ -387,7 +407,7 @@ def _vector(spec):
         else:
             store_key_words(kc, blk, boff, h, c, act_words(vals, b))
 
-    def kernel(positions, q, k, v, cs, slots, kc, vc, ks, vs, n_cache, off, e, D):
+    def kernel(positions, q, k, qo, ko, v, cs, slots, kc, vc, ks, vs, n_cache, off, e, D):
         t = int64(cuda.blockIdx.x)
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
@@ -403,9 +423,10 @@ def _vector(spec):
         nq = Hq * P if ROPE else int64(0)
         nrot = (Hq + Hk) * P if ROPE else int64(0)
         kcopy = U - R if ROPE else U
+        ncp = (Hq + Hk) * kcopy if OUT else int64(0)
         nkc = Hk * kcopy if write else int64(0)
         nvc = Hk * U if write else int64(0)
-        total = nrot + nkc + nvc
+        total = nrot + ncp + nkc + nvc
         blk = int64(0)
         boff = int64(0)
         if write:
@@ -425,6 +446,7 @@ def _vector(spec):
                 h = ii // P
                 j = ii - h * P
                 row = k[t, h] if is_k else q[t, h]
+                orow = ko[t, h] if is_k else qo[t, h]
                 csrow = cs[pos]
                 if NEOX:
                     cx = off + 8 * j
@@ -450,8 +472,8 @@ def _vector(spec):
                     xv[m] = rnd(xo)
                     xv[8 + m] = rnd(yo)
                 if NEOX:
-                    store_u32x4(row, cx >> 1, act_words(xv, 0))
-                    store_u32x4(row, cy >> 1, act_words(xv, 8))
+                    store_u32x4(orow, cx >> 1, act_words(xv, 0))
+                    store_u32x4(orow, cy >> 1, act_words(xv, 8))
                 else:  # back to memory order: pair m = (x, y) in one word
                     for m in range(8):
                         cv[m] = xv[m]
@@ -461,14 +483,25 @@ def _vector(spec):
                         xv[2 * m + 1] = sv[m]
                         xv[8 + 2 * m] = cv[4 + m]
                         xv[8 + 2 * m + 1] = sv[4 + m]
-                    store_u32x4(row, cx >> 1, act_words(xv, 0))
-                    store_u32x4(row, cy >> 1, act_words(xv, 8))
+                    store_u32x4(orow, cx >> 1, act_words(xv, 0))
+                    store_u32x4(orow, cy >> 1, act_words(xv, 8))
                 if is_k and write:
                     sc = ks[h] if FP8 else float32(1)
                     cache_key_unit(kc, blk, boff, h, cx, xv, 0, sc)
                     cache_key_unit(kc, blk, boff, h, cy, xv, 8, sc)
-            elif i < nrot + nkc:
+            elif i < nrot + ncp:  # out of place: the units outside the rotated span
                 ii = i - nrot
+                h = ii // kcopy
+                u = ii - h * kcopy
+                c = u * 8
+                if c >= off:
+                    c += 2 * e
+                if h < Hq:
+                    store_u32x4(qo[t, h], c >> 1, load_u32x4(q[t, h], c >> 1))
+                else:
+                    store_u32x4(ko[t, h - Hq], c >> 1, load_u32x4(k[t, h - Hq], c >> 1))
+            elif i < nrot + ncp + nkc:
+                ii = i - nrot - ncp
                 h = ii // kcopy
                 u = ii - h * kcopy
                 c = u * 8
@@ -481,7 +514,7 @@ def _vector(spec):
                 else:
                     store_key_words(kc, blk, boff, h, c, load_u32x4(row, c >> 1))
             else:
-                ii = i - nrot - nkc
+                ii = i - nrot - ncp - nkc
                 h = ii // U
                 u = ii - h * U
                 c = u * 8
@@ -510,7 +543,8 @@ def layouts_of(kind):
 
 def variants():
     """Every ``(factory, spec, argtypes)`` the family's ops can launch (the PTX test compiles
-    them all): ``rotary_embedding`` (every dtype pair, pairing, ``fma`` and ``inverse``),
+    them all): ``rotary_embedding`` (every dtype pair, pairing, ``fma`` and ``inverse``), its
+    out-of-place form ``apply_rope_with_cos_sin_cache`` (every dtype pair and pairing),
     ``reshape_and_cache[_flash]`` (every dtype, cache layout and kv_cache_dtype) and the fused
     op (cos_sin_cache of the query's dtype, ``fma="vllm"``, no ``inverse``)."""
     specs = []
@@ -521,6 +555,8 @@ def variants():
                     for (fma, inverse), form in FORMS.items():
                         specs.append(RopeCacheSpec(kind, cs, True, neox, inverse, form, "none",
                                                    "auto", layout))
+                    specs.append(RopeCacheSpec(kind, cs, True, neox, False, FORMS[("vllm", False)],
+                                               "none", "auto", layout, out=True))
             for cache in ("flash", "legacy"):
                 for kv in KV_DTYPES:
                     specs.append(RopeCacheSpec(kind, kind, False, True, False, "nn", cache, kv,

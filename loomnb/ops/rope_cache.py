@@ -33,8 +33,8 @@ from . import _launch as L
 from ._rope_cache_kernels import CS_KINDS, FMAS, FORMS, RopeCacheSpec, rope_cache_kernel
 from ._torch_ops import torch_op
 
-__all__ = ["rotary_embedding", "reshape_and_cache_flash", "reshape_and_cache",
-           "rotary_embedding_and_cache"]
+__all__ = ["rotary_embedding", "apply_rope_with_cos_sin_cache", "reshape_and_cache_flash",
+           "reshape_and_cache", "rotary_embedding_and_cache"]
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 _KV = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
@@ -276,19 +276,25 @@ def _vector_ok(spec, q, k, v, cs, kcv, vcv, off, rot_dim, D):
 
 
 def _launch(op, spec, pv, qv, kv, vv, cs, slots, kcv, vcv, ks, vs, n_tokens, off, rot_dim, D,
-            stream, key):
-    """Layout, launch configuration and the launch: one block per token."""
+            stream, key, qov=None, kov=None):
+    """Layout, launch configuration and the launch: one block per token. ``qov``/``kov``: the
+    outputs of the out-of-place form (``spec.out``); in place they are ``qv``/``kv``."""
     if n_tokens == 0:
         return
-    vec = _vector_ok(spec, qv, kv, vv, cs, kcv, vcv, off, rot_dim, D)
+    qov = qv if qov is None else qov
+    kov = kv if kov is None else kov
+    vec = (_vector_ok(spec, qv, kv, vv, cs, kcv, vcv, off, rot_dim, D)
+           and (not spec.out or C.vectors_ok(qov, kov)))
     spec = dataclasses.replace(spec, layout="vector" if vec else "scalar")
     e = rot_dim // 2 if spec.rope else 0
     Hq = qv.shape[1] if qv is not None else 0
     Hk = (kv if kv is not None else vv).shape[1] if (kv is not None or vv is not None) else 0
     if vec:
         items = (Hq + Hk) * (e // 8) + (2 * Hk * (D // 8) if spec.cache != "none" else 0)
+        items += (Hq + Hk) * ((D - 2 * e) // 8) if spec.out else 0
     else:
         items = (Hq + Hk) * e + (2 * Hk * D if spec.cache != "none" else 0)
+        items += (Hq + Hk) * (D - 2 * e) if spec.out else 0
     threads = L.forced_threads() or min(MAX_THREADS, max(32, -(-items // 32) * 32))
     act = "uint32" if vec else {"bf16": "uint16", "f16": "uint16", "f32": "float32"}[spec.kind]
     cstore = "uint8" if spec.kv != "auto" else {"bf16": "uint16", "f16": "uint16",
@@ -310,7 +316,7 @@ def _launch(op, spec, pv, qv, kv, vv, cs, slots, kcv, vcv, ks, vs, n_tokens, off
         cs_p = L.absent("uint32" if vec else {"bf16": "uint16", "f16": "uint16",
                                               "f32": "float32"}[spec.cs_kind], 2)
     params = [L.array(pv) if pv is not None else L.absent("int64", 1),
-              rows3(qv), rows3(kv), rows3(vv), cs_p,
+              rows3(qv), rows3(kv), rows3(qov), rows3(kov), rows3(vv), cs_p,
               L.array(slots) if slots is not None else L.absent("int64", 1),
               kc_p, vc_p,
               L.array(ks) if ks is not None else L.absent("float32", 1),
@@ -394,6 +400,78 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, r
     _launch(op, spec, pv, qv, kv, None, cs, None, None, None, None, None, pv.shape[0], off,
             rot_dim, D, stream, k)
     return query, key
+
+
+def _fake_rope_out(positions, query, key, head_size, cos_sin_cache, is_neox=True):
+    return query.new_empty(query.shape), key.new_empty(key.shape)
+
+
+@torch_op("Tensor positions, Tensor query, Tensor key, int head_size, Tensor cos_sin_cache, "
+          "bool is_neox=True", outputs=("query_out", "key_out"), fake=_fake_rope_out)
+def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cache, is_neox=True,
+                                  *, query_out=None, key_out=None, stream=None):
+    """Rotary position embedding of ``query`` and ``key`` into new arrays (out of place).
+
+    ``query_out``/``key_out`` are ``query``/``key`` rotated exactly as :func:`rotary_embedding`
+    with ``rope_dim_offset=0``, ``inverse=False``, ``fma="vllm"`` rotates them in place -- the
+    same bits -- and the channels past ``rot_dim`` copied unchanged; ``query`` and ``key`` are
+    not modified. Under torch.compile this form needs no copies: an in-place op on views of a
+    fused QKV buffer is functionalised into a copy of each view and a scatter back, which an
+    out-of-place op does not pay (the vLLM plug-in, ``docs/vllm.md``, routes RoPE here).
+
+    Args:
+        positions: int64 ``[num_tokens]`` or ``[batch_size, seq_len]``; each in ``[0,
+            max_position)`` (not checked).
+        query: ``[*positions.shape, num_heads * head_size]`` or ``[*positions.shape, num_heads,
+            head_size]``, bf16/fp16/fp32, last dimension contiguous, any token/head strides.
+            Not modified.
+        key: like ``query`` with ``num_kv_heads`` dividing ``num_heads``. Not modified.
+        head_size: channels per head.
+        cos_sin_cache: ``[max_position, rot_dim]``, cos half first; the query's dtype or float32;
+            ``rot_dim`` even, ``<= head_size``.
+        is_neox: NeoX (rotate-half) or GPT-J (interleaved) pairs.
+        query_out, key_out: optional outputs of ``query``'s / ``key``'s shape and dtype, last
+            dimension contiguous, overlapping no argument. Allocated (contiguous) when None.
+        stream: CUDA stream; default the caller's current stream.
+
+    Returns ``(query_out, key_out)``. Mutates: ``query_out`` and ``key_out`` only.
+
+    Raises ``LoomnbTypeError`` / ``LoomnbValueError`` naming the argument for a wrong dtype,
+    shape, stride, device or overlap, before any launch. Zero tokens is a no-op.
+
+    Matches FlashInfer ``apply_rope_with_cos_sin_cache(positions, query, key, head_size,
+    cos_sin_cache, is_neox)`` (its arguments, out-of-place result and output shapes). Differs:
+    the numerics are vLLM's ``rotary_embedding`` (above), not FlashInfer's, and the cos/sin
+    cache may be of the query's dtype as well as float32.
+    """
+    if ad.is_compiling():
+        return apply_rope_with_cos_sin_cache.traced(
+            positions=positions, query=query, key=key, head_size=head_size,
+            cos_sin_cache=cos_sin_cache, is_neox=is_neox, query_out=query_out, key_out=key_out,
+            stream=stream)
+    k = (_rope_key("apply_rope_with_cos_sin_cache", (positions, query, key, cos_sin_cache,
+                                                     query_out, key_out), head_size, is_neox, 0,
+                   False) if stream is None else None)
+    if k is not None and (hit := L.replay(k)) is not None:
+        return L.fill(hit, query_out, key_out)
+    op = "loomnb.apply_rope_with_cos_sin_cache"
+    if key is None:
+        fail_type(op, "key", "an array (the out-of-place form rotates a query and a key)", "None")
+    p, pv, q, qv, kv, cs, D, off, rot_dim = _rope_inputs(
+        op, positions, query, key, head_size, cos_sin_cache, is_neox, 0, False, "vllm")
+    kobj = ad.wrap(op, "key", key)
+    qo = C.output(op, "query_out", query_out, like=q, kind=q.kind, shape=q.shape,
+                  like_name="query")
+    ko = C.output(op, "key_out", key_out, like=kobj, kind=q.kind, shape=kobj.shape,
+                  like_name="key")
+    qov = _heads(op, "query_out", qo, p.shape, D, "query's shape")
+    kov = _heads(op, "key_out", ko, p.shape, D, "key's shape")
+    C.no_overlap(op, {"query_out": qov, "key_out": kov},
+                 {"query": qv, "key": kv, "positions": pv, "cos_sin_cache": cs})
+    spec = RopeCacheSpec(q.kind, cs.kind, True, is_neox, False, FORMS[("vllm", False)], out=True)
+    _launch(op, spec, pv, qv, kv, None, cs, None, None, None, None, None, pv.shape[0], off,
+            rot_dim, D, stream, k, qov, kov)
+    return qo.obj, ko.obj
 
 
 def _cache_op(op, tag, legacy, key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,

@@ -10,7 +10,8 @@ With ``f`` = widen to float32 and ``r`` = round to the activation dtype (:func:`
 * ``reshape_and_cache_flash`` / ``reshape_and_cache``: ``cache[slot] = key[t]`` bit for bit
   (``"auto"``) or ``e4m3/e5m2(f(key[t]) / scale)`` (IEEE float32 division, saturating, NaN ->
   0x7F, signed zero kept); slots < 0 skipped;
-* ``rotary_embedding_and_cache``: the two in sequence.
+* ``rotary_embedding_and_cache``: the two in sequence;
+* ``apply_rope_with_cos_sin_cache``: ``rotary_embedding`` of copies, returned.
 
 ``form=`` (oracle only) takes any of the nine two-letter forms (``"ae"``, ``"bd"``, ``"nn"``...)
 so a GPU run can ask which one vLLM's compiled op computes. Arguments are NumPy arrays (bf16 as
@@ -23,8 +24,8 @@ import numpy as np
 from .fp8 import e4m3_encode, e5m2_encode
 from .numerics import fma_f32, to_dtype
 
-__all__ = ["rotary_embedding", "reshape_and_cache_flash", "reshape_and_cache",
-           "rotary_embedding_and_cache"]
+__all__ = ["rotary_embedding", "apply_rope_with_cos_sin_cache", "reshape_and_cache_flash",
+           "reshape_and_cache", "rotary_embedding_and_cache"]
 
 _FORMS = {("vllm", False): "ae", ("vllm", True): "ae", ("none", False): "nn", ("none", True): "nn"}
 _KV = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
@@ -71,6 +72,23 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, r
         out[:, :, yi] = to_dtype(yo, a.dtype)
         a[...] = out.reshape(a.shape)
     return query, key
+
+
+def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cache, is_neox=True,
+                                  *, query_out=None, key_out=None, stream=None):
+    """Reference out-of-place RoPE: ``rotary_embedding`` of copies (``fma="vllm"``), written to
+    ``query_out``/``key_out`` (new arrays when None); ``query`` and ``key`` are not modified."""
+    q, k = np.array(query, copy=True), np.array(key, copy=True)
+    rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox)
+    if query_out is None:
+        query_out = q
+    else:
+        query_out[...] = q
+    if key_out is None:
+        key_out = k
+    else:
+        key_out[...] = k
+    return query_out, key_out
 
 
 def _codes(x, kvd, scale):
