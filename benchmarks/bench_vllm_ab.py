@@ -83,15 +83,36 @@ CONFIGS = ("default", "vllm_ops", "loomnb")
 ISOLATED = {"loomnb_norms": ("rms_norm", "fused_add_rms_norm"),
             "loomnb_silu": ("SiluAndMul",),
             "loomnb_rope": ("RotaryEmbedding",)}
-ALL_CONFIGS = CONFIGS + tuple(ISOLATED)
+# control: vLLM's own in-place RoPE kernel on contiguous copies of q and k -- the memory layout
+# of loomnb's out-of-place RoPE (new q/k buffers) with vLLM's bits (tokens only)
+CONTROLS = ("vllm_rope_copy",)
+ALL_CONFIGS = CONFIGS + tuple(ISOLATED) + CONTROLS
 LABELS = {"default": "(a) vLLM default (Inductor-generated kernels)",
           "vllm_ops": "(b) vLLM with its CUDA custom ops",
           "loomnb": "(c) vLLM + loomnb",
           "loomnb_norms": "(b) with only the norms given to loomnb (tokens only)",
           "loomnb_silu": "(b) with only SiLU-and-mul given to loomnb (tokens only)",
-          "loomnb_rope": "(b) with only RoPE given to loomnb (tokens only)"}
+          "loomnb_rope": "(b) with only RoPE given to loomnb (tokens only)",
+          "vllm_rope_copy": "(b) with vLLM's RoPE on contiguous copies of q and k (tokens only)"}
 ORDERS = {"forward": ALL_CONFIGS, "reversed": tuple(reversed(ALL_CONFIGS))}
 PLUGIN_ENTRY = "loomnb = loomnb.integrations.vllm:register"
+CONTROL_ENTRY = "loomnb_ab_control = benchmarks.bench_vllm_ab:register_control"
+
+
+def register_control():
+    """vLLM general plug-in of the ``vllm_rope_copy`` run: ``RotaryEmbedding`` whose CUDA forward
+    is vLLM's own (in-place ``_C.rotary_embedding``) applied to contiguous copies of the query
+    and key, so the rotated q and k live in new buffers as with loomnb's out-of-place RoPE."""
+    import torch
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    class CopyThenVllmRope(RotaryEmbedding):
+        def forward_cuda(self, positions, query, key=None):
+            query = query.clone(memory_format=torch.contiguous_format)
+            key = None if key is None else key.clone(memory_format=torch.contiguous_format)
+            return super().forward_cuda(positions, query, key)
+
+    RotaryEmbedding.register_oot(CopyThenVllmRope)
 CHECK_PROMPTS = [
     "The capital of France is",
     "Write a short poem about the sea.",
@@ -229,7 +250,8 @@ class FakeEngine:
     fails that start and ``LOOMNB_FAKE_HANG=<config>`` hangs after the results are written (the
     parent's failure and timeout paths)."""
 
-    SPEED = {"default": 1.0, "vllm_ops": 0.95, "loomnb": 0.9, **{c: 0.9 for c in ISOLATED}}
+    SPEED = {"default": 1.0, "vllm_ops": 0.95, "loomnb": 0.9,
+             **{c: 0.9 for c in (*ISOLATED, *CONTROLS)}}
     VOCAB = 49152
 
     def __init__(self, config, plan, kwargs):
@@ -339,7 +361,7 @@ def run_child(args):
                     "logprobs": lps}
     out["timing"] = {}
     n = plan["tokens"]
-    for batch in plan["batches"] if args.config in CONFIGS else ():  # ISOLATED: tokens only
+    for batch in plan["batches"] if args.config in CONFIGS else ():  # the others: tokens only
         prompts = timing_prompts(batch)
         engine.generate(prompts, 8)  # warm-up at this batch size
         full, first = [], []
@@ -374,7 +396,7 @@ def write_entry_point(folder):
     d = Path(folder) / "site" / "loomnb_vllm_plugin-0.1.0.dist-info"
     d.mkdir(parents=True, exist_ok=True)
     (d / "METADATA").write_text("Metadata-Version: 2.1\nName: loomnb-vllm-plugin\nVersion: 0.1.0\n")
-    (d / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{PLUGIN_ENTRY}\n")
+    (d / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{PLUGIN_ENTRY}\n{CONTROL_ENTRY}\n")
     return str(d.parent)
 
 
@@ -385,8 +407,9 @@ def child_env(config, plugin_site, compile_cache):
     if not compile_cache:
         env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     # (a)/(b): no general plug-in at all; (c) and the ISOLATED ones: loomnb's only.
-    ours = config.startswith("loomnb")
-    env["VLLM_PLUGINS"] = "loomnb" if ours else ""
+    ours = config.startswith("loomnb") or config in CONTROLS
+    env["VLLM_PLUGINS"] = ("loomnb_ab_control" if config in CONTROLS
+                           else "loomnb" if ours else "")
     paths = [str(REPO)] + ([plugin_site] if ours else [])
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
@@ -463,7 +486,8 @@ def analyse(runs, plan):
     tokens, tpot, init, launch = [], {}, {}, {}
     for order in orders:
         pairs = [("loomnb", "vllm_ops"), ("loomnb", "default"), ("vllm_ops", "default")]
-        for x, y in pairs + [(c, "vllm_ops") for c in ISOLATED]:
+        pairs += [(c, "vllm_ops") for c in (*ISOLATED, *CONTROLS)]
+        for x, y in pairs + [("loomnb_rope", "vllm_rope_copy")]:
             if (order, x) in by and (order, y) in by:
                 tokens.append(compare_tokens(by[(order, x)], by[(order, y)]))
         tpot[order] = {}
@@ -574,6 +598,7 @@ def run_parent(args):
     from loomnb.integrations.vllm import engine_kwargs  # the exact settings the children get
     kwargs = {c: engine_kwargs(c) for c in CONFIGS}
     kwargs.update({c: engine_kwargs("loomnb", ops=ops) for c, ops in ISOLATED.items()})
+    kwargs["vllm_rope_copy"] = engine_kwargs("loomnb", ops=("RotaryEmbedding",))  # same switches
     tmp = tempfile.mkdtemp(prefix="loomnb_vllm_ab_")
     plugin_site = write_entry_point(tmp)
     started = datetime.datetime.now()
