@@ -506,3 +506,31 @@ def test_cache_writes_and_fused_bytes_equal_vllm(vllm_ops, layout, kv):
     torch.cuda.synchronize()
     assert torch.equal(qkv.view(torch.uint8), qkv2.view(torch.uint8)), "query/key vs vLLM"
     assert torch.equal(kvc.view(torch.uint8), kvc2.view(torch.uint8)), "cache vs vLLM"
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 80, 300])
+def test_rotary_embedding_bytes_equal_vllm_on_qkv_views(vllm_ops, num_tokens):
+    """vLLM's rotary_embedding against loomnb's in-place and out-of-place forms on the layout a
+    vLLM engine passes: SmolLM2's 9 query / 3 KV heads of 64 on views of one fused QKV buffer
+    (row stride 960), a bf16 cos/sin cache, NeoX pairs, positions up to 2048."""
+    rope, _ = vllm_ops
+    Hq, Hk, D = 9, 3, 64
+    g = torch.Generator(device="cuda").manual_seed(num_tokens)
+    qkv = (torch.randn(num_tokens, (Hq + 2 * Hk) * D, generator=g, device="cuda") * 3).to(
+        torch.bfloat16)
+    pos = torch.randint(0, 2048, (num_tokens,), generator=g, device="cuda")
+    cs = cos_sin_cache(D, torch.bfloat16)
+    ref, mine = qkv.clone(), qkv.clone()
+    rope(pos, *split(ref, Hq, Hk, D, num_tokens)[:2], D, cs, True, 0, False)
+    loomnb.rotary_embedding(pos, *split(mine, Hq, Hk, D, num_tokens)[:2], D, cs, True)
+    qo, ko = loomnb.apply_rope_with_cos_sin_cache(pos, *split(qkv, Hq, Hk, D, num_tokens)[:2], D,
+                                                  cs, True)
+    torch.cuda.synchronize()
+    rq, rk, _ = split(ref, Hq, Hk, D, num_tokens)
+    for what, got, want in (("in place", mine, ref), ("query_out", qo, rq), ("key_out", ko, rk)):
+        same = got.view(torch.int16) == want.view(torch.int16)
+        bad = (~same).nonzero()[:4].tolist()
+        assert bool(same.all()), (f"{what}: {int((~same).sum())} of {same.numel()} differ; first "
+                                  f"{bad}: loomnb {[float(got[i, j]) for i, j in bad]} vLLM "
+                                  f"{[float(want[i, j]) for i, j in bad]} input "
+                                  f"{[float(qkv[i, j]) for i, j in bad]}")
