@@ -85,7 +85,9 @@ ISOLATED = {"loomnb_norms": ("rms_norm", "fused_add_rms_norm"),
             "loomnb_rope": ("RotaryEmbedding",)}
 # control: vLLM's own in-place RoPE kernel on contiguous copies of q and k -- the memory layout
 # of loomnb's out-of-place RoPE (new q/k buffers) with vLLM's bits (tokens only)
-CONTROLS = ("vllm_rope_copy",)
+# rope_check: loomnb's out-of-place RoPE (its result used), each call also compared on the
+# device with vLLM's kernel on copies of the same q and k; the counts come back in the JSON
+CONTROLS = ("vllm_rope_copy", "rope_check")
 ALL_CONFIGS = CONFIGS + tuple(ISOLATED) + CONTROLS
 LABELS = {"default": "(a) vLLM default (Inductor-generated kernels)",
           "vllm_ops": "(b) vLLM with its CUDA custom ops",
@@ -93,18 +95,42 @@ LABELS = {"default": "(a) vLLM default (Inductor-generated kernels)",
           "loomnb_norms": "(b) with only the norms given to loomnb (tokens only)",
           "loomnb_silu": "(b) with only SiLU-and-mul given to loomnb (tokens only)",
           "loomnb_rope": "(b) with only RoPE given to loomnb (tokens only)",
-          "vllm_rope_copy": "(b) with vLLM's RoPE on contiguous copies of q and k (tokens only)"}
+          "vllm_rope_copy": "(b) with vLLM's RoPE on contiguous copies of q and k (tokens only)",
+          "rope_check": "(b) with loomnb's RoPE, each call compared with vLLM's on copies (tokens only)"}
 ORDERS = {"forward": ALL_CONFIGS, "reversed": tuple(reversed(ALL_CONFIGS))}
 PLUGIN_ENTRY = "loomnb = loomnb.integrations.vllm:register"
 CONTROL_ENTRY = "loomnb_ab_control = benchmarks.bench_vllm_ab:register_control"
 
 
+_ROPE_NE = None  # (in the worker) int64 [2] on the GPU: bytes that differed, bytes compared
+
+
+def _count_ne(a, b):
+    """Add to ``_ROPE_NE`` how many 16-bit values of ``a`` and ``b`` differ (NaN equal to NaN)
+    and how many were compared: device work only, so it runs inside CUDA graphs."""
+    global _ROPE_NE
+    import torch
+    if _ROPE_NE is None:
+        _ROPE_NE = torch.zeros(2, dtype=torch.int64, device=a.device)
+    ne = (a.view(torch.int16) != b.view(torch.int16)) & ~(a.isnan() & b.isnan())
+    _ROPE_NE[0] += ne.sum()
+    _ROPE_NE[1] += a.numel()
+
+
 def register_control():
-    """vLLM general plug-in of the ``vllm_rope_copy`` run: ``RotaryEmbedding`` whose CUDA forward
-    is vLLM's own (in-place ``_C.rotary_embedding``) applied to contiguous copies of the query
-    and key, so the rotated q and k live in new buffers as with loomnb's out-of-place RoPE."""
+    """vLLM general plug-in of the control runs (``LOOMNB_AB_CONTROL`` names which):
+
+    * ``vllm_rope_copy``: ``RotaryEmbedding`` whose CUDA forward is vLLM's own (in-place
+      ``_C.rotary_embedding``) applied to contiguous copies of the query and key, so the rotated
+      q and k live in new buffers as with loomnb's out-of-place RoPE;
+    * ``rope_check``: loomnb's ``apply_rope_with_cos_sin_cache`` (its result is used), and on
+      every call vLLM's op on copies of the same query and key, compared on the device
+      (``loomnb_ab::count_ne``, a custom op that nominally mutates loomnb's output so that
+      nothing removes it); ``_rpc_rope_check`` reads the counts."""
     import torch
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    which = os.environ.get("LOOMNB_AB_CONTROL", "vllm_rope_copy")
 
     class CopyThenVllmRope(RotaryEmbedding):
         def forward_cuda(self, positions, query, key=None):
@@ -112,7 +138,40 @@ def register_control():
             key = None if key is None else key.clone(memory_format=torch.contiguous_format)
             return super().forward_cuda(positions, query, key)
 
-    RotaryEmbedding.register_oot(CopyThenVllmRope)
+    if which != "rope_check":
+        RotaryEmbedding.register_oot(CopyThenVllmRope)
+        return
+
+    @torch.library.custom_op("loomnb_ab::count_ne", mutates_args=("a",))
+    def count_ne(a: torch.Tensor, b: torch.Tensor) -> None:
+        _count_ne(a, b)
+
+    import loomnb
+
+    class CheckedLoomnbRope(CopyThenVllmRope):
+        def forward_cuda(self, positions, query, key=None):
+            cache = self._match_cos_sin_cache_dtype(query)
+            qo, ko = loomnb.apply_rope_with_cos_sin_cache(positions, query, key, self.head_size,
+                                                          cache, self.is_neox_style)
+            qv, kv = super().forward_cuda(positions, query, key)  # vLLM's, on copies
+            count_ne(qo, qv)
+            count_ne(ko, kv)
+            return qo, ko
+
+    RotaryEmbedding.register_oot(CheckedLoomnbRope)
+
+
+def _rpc_rope_check(worker, reset=False):
+    """(In the worker.) ``[differing, compared]`` 16-bit values of the ``rope_check`` run so far
+    (``reset``: zero them first, after vLLM's warm-up and capture runs on made-up inputs)."""
+    import sys as _sys
+    m = _sys.modules.get("benchmarks.bench_vllm_ab")
+    if m is None or m._ROPE_NE is None:
+        return None
+    if reset:
+        m._ROPE_NE.zero_()
+        return [0, 0]
+    return m._ROPE_NE.tolist()
 CHECK_PROMPTS = [
     "The capital of France is",
     "Write a short poem about the sea.",
@@ -222,6 +281,9 @@ class VllmEngine:
     def plugin_report(self):
         return self.llm.collective_rpc(_rpc_plugin_report)[0]
 
+    def rope_check(self, reset=False):
+        return self.llm.collective_rpc(_rpc_rope_check, kwargs={"reset": reset})[0]
+
     def describe(self):
         import torch
         import vllm
@@ -301,6 +363,9 @@ class FakeEngine:
             counts["void vllm::rms_norm_kernel<c10::BFloat16>"] = [61 * steps, 61 * 1.6 * steps]
         return counts
 
+    def rope_check(self, reset=False):
+        return [0, 0] if reset else [0, 1000]
+
     def plugin_report(self):
         if not self.config.startswith("loomnb"):
             return {"loaded": False}
@@ -355,8 +420,13 @@ def run_child(args):
     engine.start()
     out["init_s"] = clock() - t0
     out.update(engine.describe())
+    if args.config == "rope_check":
+        engine.rope_check(reset=True)
     tokens, lps = engine.generate(CHECK_PROMPTS[:plan["check_prompts"]], plan["check_tokens"],
                                   logprobs=plan["logprobs"])
+    if args.config == "rope_check":  # [16-bit values that differed, compared] in the check
+        out["rope_check"] = engine.rope_check()
+        print(f"rope_check: {out['rope_check']}", flush=True)
     out["check"] = {"prompts": CHECK_PROMPTS[:plan["check_prompts"]], "tokens": tokens,
                     "logprobs": lps}
     out["timing"] = {}
@@ -410,6 +480,8 @@ def child_env(config, plugin_site, compile_cache):
     ours = config.startswith("loomnb") or config in CONTROLS
     env["VLLM_PLUGINS"] = ("loomnb_ab_control" if config in CONTROLS
                            else "loomnb" if ours else "")
+    if config in CONTROLS:
+        env["LOOMNB_AB_CONTROL"] = config
     paths = [str(REPO)] + ([plugin_site] if ours else [])
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
@@ -487,7 +559,7 @@ def analyse(runs, plan):
     for order in orders:
         pairs = [("loomnb", "vllm_ops"), ("loomnb", "default"), ("vllm_ops", "default")]
         pairs += [(c, "vllm_ops") for c in (*ISOLATED, *CONTROLS)]
-        for x, y in pairs + [("loomnb_rope", "vllm_rope_copy")]:
+        for x, y in pairs + [("loomnb_rope", "vllm_rope_copy"), ("rope_check", "loomnb_rope")]:
             if (order, x) in by and (order, y) in by:
                 tokens.append(compare_tokens(by[(order, x)], by[(order, y)]))
         tpot[order] = {}
@@ -598,7 +670,8 @@ def run_parent(args):
     from loomnb.integrations.vllm import engine_kwargs  # the exact settings the children get
     kwargs = {c: engine_kwargs(c) for c in CONFIGS}
     kwargs.update({c: engine_kwargs("loomnb", ops=ops) for c, ops in ISOLATED.items()})
-    kwargs["vllm_rope_copy"] = engine_kwargs("loomnb", ops=("RotaryEmbedding",))  # same switches
+    for c in CONTROLS:  # the same switches as loomnb_rope; the control plug-in swaps the class
+        kwargs[c] = engine_kwargs("loomnb", ops=("RotaryEmbedding",))
     tmp = tempfile.mkdtemp(prefix="loomnb_vllm_ab_")
     plugin_site = write_entry_point(tmp)
     started = datetime.datetime.now()
