@@ -117,6 +117,23 @@ def _count_ne(a, b):
     _ROPE_NE[1] += a.numel()
 
 
+_OPS = {}
+
+
+def _count_ne_op():
+    """``torch.ops.loomnb_ab.count_ne(a, b)``: :func:`_count_ne` as a custom op that nominally
+    mutates ``a`` (so that torch.compile keeps it); defined once per process."""
+    if "count_ne" not in _OPS:
+        import torch
+
+        @torch.library.custom_op("loomnb_ab::count_ne", mutates_args=("a",))
+        def count_ne(a: torch.Tensor, b: torch.Tensor) -> None:
+            _count_ne(a, b)
+
+        _OPS["count_ne"] = count_ne
+    return _OPS["count_ne"]
+
+
 def register_control():
     """vLLM general plug-in of the control runs (``LOOMNB_AB_CONTROL`` names which):
 
@@ -142,10 +159,7 @@ def register_control():
         RotaryEmbedding.register_oot(CopyThenVllmRope)
         return
 
-    @torch.library.custom_op("loomnb_ab::count_ne", mutates_args=("a",))
-    def count_ne(a: torch.Tensor, b: torch.Tensor) -> None:
-        _count_ne(a, b)
-
+    count_ne = _count_ne_op()
     import loomnb
 
     class CheckedLoomnbRope(CopyThenVllmRope):

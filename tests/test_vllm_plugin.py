@@ -728,6 +728,44 @@ def test_bench_one_op_at_a_time(tmp_path):
     assert t["all_runs_completed"]
 
 
+def test_bench_control_plugins(fake_vllm, loomnb_ops, monkeypatch):
+    """The A/B's control plug-in: ``vllm_rope_copy`` runs vLLM's RoPE on contiguous copies;
+    ``rope_check`` returns loomnb's result and counts, on the device, the 16-bit values where
+    vLLM's op on the same inputs differs (here: a loomnb stub that is exact, then one that is
+    off in one value), also under torch.compile."""
+    sys.path.insert(0, str(REPO))
+    import benchmarks.bench_vllm_ab as ab
+    qkv = torch.randn(3, 15 * 4, dtype=BF16)
+    q, k, pos, cache = qkv[:, :36], qkv[:, 36:48], torch.arange(3), torch.randn(8, 4)
+    monkeypatch.setenv("LOOMNB_AB_CONTROL", "vllm_rope_copy")
+    ab.register_control()
+    op = fake_vllm.oot.pop("RotaryEmbedding")(4, cache)
+    qo, ko = op.forward_cuda(pos, q, k)
+    assert qo.is_contiguous() and qo.data_ptr() != q.data_ptr() and torch.equal(qo, q)
+    assert CALLS == ["vllm rotary_embedding"]
+    monkeypatch.setenv("LOOMNB_AB_CONTROL", "rope_check")
+    monkeypatch.setattr(ab, "_ROPE_NE", None)
+    ab.register_control()
+    op = fake_vllm.oot["RotaryEmbedding"](4, cache)
+    qo, ko = op.forward_cuda(pos, q, k)
+    assert torch.equal(qo, q) and CALLS[-2:] == [("loomnb apply_rope", 4, True),
+                                                 "vllm rotary_embedding"]
+    assert ab._ROPE_NE.tolist() == [0, 144]  # 3 x 36 query and 3 x 12 key values
+    off = loomnb_ops.apply_rope_with_cos_sin_cache
+
+    def one_off(*a, **kw):
+        qo, ko = off(*a, **kw)
+        qo[1, 2] += 1
+        return qo, ko
+
+    monkeypatch.setattr(loomnb, "apply_rope_with_cos_sin_cache", one_off)
+    compiled = torch.compile(lambda p, x, y: op.forward_cuda(p, x, y), fullgraph=True,
+                             backend="inductor")
+    compiled(pos, q, k)
+    compiled(pos, q, k)
+    assert ab._ROPE_NE.tolist() == [2, 3 * 144]
+
+
 def test_bench_merge_of_one_order_per_run(tmp_path):
     """Each order in its own run (one GPU command each), then --merge: one result with both
     orders' comparisons, as if run together."""
