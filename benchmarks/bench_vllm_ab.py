@@ -33,7 +33,10 @@ Each process reports, with greedy decoding (temperature 0) and EOS ignored:
 
 ``--configs`` may add ``loomnb_norms``, ``loomnb_silu`` and ``loomnb_rope``: (b) with one op
 family given to loomnb (``engine_kwargs("loomnb", ops=...)``), tokens only, each compared with
-(b) -- which op a (c)-vs-(b) token difference comes from.
+(b) -- which op a (c)-vs-(b) token difference comes from -- and two RoPE controls (tokens only,
+through a second plug-in entry point, ``register_control``): ``vllm_rope_copy`` (vLLM's RoPE on
+contiguous copies of q and k) and ``rope_check`` (loomnb's RoPE, each call compared on the
+device with vLLM's on copies; the counts in the run's ``rope_check``).
 
 The parent writes one JSON to ``benchmarks/results/vllm_ab_<stamp>_<gpu>.json`` with every
 run, the comparisons and the targets: tokens of (c) identical to (b); TPOT of (c) >= 1.0x the
