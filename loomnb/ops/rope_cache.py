@@ -459,10 +459,9 @@ def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cach
         fail_type(op, "key", "an array (the out-of-place form rotates a query and a key)", "None")
     p, pv, q, qv, kv, cs, D, off, rot_dim = _rope_inputs(
         op, positions, query, key, head_size, cos_sin_cache, is_neox, 0, False, "vllm")
-    kobj = ad.wrap(op, "key", key)
     qo = C.output(op, "query_out", query_out, like=q, kind=q.kind, shape=q.shape,
                   like_name="query")
-    ko = C.output(op, "key_out", key_out, like=kobj, kind=q.kind, shape=kobj.shape,
+    ko = C.output(op, "key_out", key_out, like=kv, kind=q.kind, shape=tuple(kv.obj.shape),
                   like_name="key")
     qov = _heads(op, "query_out", qo, p.shape, D, "query's shape")
     kov = _heads(op, "key_out", ko, p.shape, D, "key's shape")
