@@ -302,11 +302,37 @@ def test_apply_rope_out_of_place_contract():
     with pytest.raises(loomnb.LoomnbTypeError, match="'key_out'"):
         loomnb.apply_rope_with_cos_sin_cache(pos, q, k, 64, cs, True,
                                              key_out=np.zeros((2, 64), np.float16))
-    with pytest.raises(loomnb.LoomnbValueError, match="'query_out'"):
+    with pytest.raises(loomnb.LoomnbValueError,
+                       match=r"'query_out' must be a buffer that does not overlap 'query'; got "
+                             r"overlapping memory \(the same memory\)"):
         loomnb.apply_rope_with_cos_sin_cache(pos, q, k, 64, cs, True, query_out=q)
+    with pytest.raises(loomnb.LoomnbValueError,
+                       match=r"'cos_sin_cache' must be rot_dim <= head_size = 32; got rot_dim 64"):
+        loomnb.apply_rope_with_cos_sin_cache(pos, q, k, 32, cs, True)
     qo, ko = loomnb.apply_rope_with_cos_sin_cache(np.zeros(0, np.int64), q[:0], k[:0], 64, cs,
                                                   True)
     assert qo.shape == (0, 128) and ko.shape == (0, 64)
+
+
+def test_apply_rope_outputs_may_be_slices_of_one_buffer():
+    """query_out and key_out as slices of one fused output buffer (their elements never meet)
+    are accepted and filled; an output that shares elements with an input is refused."""
+    rng = np.random.default_rng(4)
+    T, Hq, Hk, D = 2, 2, 1, 64
+    buf, q, k, _ = qkv_buffer(rng, T, Hq, Hk, D, "bf16")
+    cs = cos_sin_cache(D, BF16)
+    pos = np.array([3, 7], np.int64)
+    ob = np.zeros((T, (Hq + Hk) * D), BF16)
+    got = loomnb.apply_rope_with_cos_sin_cache(pos, q, k, D, cs, True, query_out=ob[:, :Hq * D],
+                                               key_out=ob[:, Hq * D:])
+    want = loomnb.oracle.apply_rope_with_cos_sin_cache(pos, q, k, D, cs, True)
+    assert_bits(ob[:, :Hq * D], want[0], "query_out slice")
+    assert_bits(ob[:, Hq * D:], want[1], "key_out slice")
+    assert got[0].base is ob and got[1].base is ob
+    with pytest.raises(loomnb.LoomnbValueError, match="'key_out' must be a buffer that does not "
+                                                      "overlap 'query'"):
+        loomnb.apply_rope_with_cos_sin_cache(pos, q, k, D, cs, True,
+                                             key_out=buf[:, D // 2:D // 2 + Hk * D])
 
 
 # ---------------------------------------------------------------------------------- cache ops

@@ -76,9 +76,10 @@ def no_overlap(op, writes, reads, in_place=(), *, interleaved=False):
                 continue
             if ((n1, n2) in in_place or (n2, n1) in in_place) and same_place(a1, a2):
                 continue
+            why = ("" if a1.ptr != a2.ptr else " (the same memory)" if same_place(a1, a2)
+                   else " (same address, different element size or strides)")
             fail_value(op, n1 if w1 else n2, f"a buffer that does not overlap '{n2 if w1 else n1}'",
-                       "overlapping memory" + (" (same address, different element size or strides)"
-                                               if a1.ptr == a2.ptr else ""))
+                       "overlapping memory" + why)
 
 
 def elements_may_overlap(a, b):

@@ -148,8 +148,10 @@ def _rope_inputs(op, positions, query, key, head_size, cos_sin_cache, is_neox, o
         fail_value(op, "cos_sin_cache", "contiguous in its last dimension (stride 1)",
                    f"strides {cs.strides} (in elements)")
     if rot_dim + off > head_size:
-        fail_value(op, "cos_sin_cache", f"rot_dim + rope_dim_offset <= head_size = {head_size}",
-                   f"rot_dim {rot_dim} + rope_dim_offset {off}")
+        if off:
+            fail_value(op, "cos_sin_cache", f"rot_dim + rope_dim_offset <= head_size = "
+                       f"{head_size}", f"rot_dim {rot_dim} + rope_dim_offset {off}")
+        fail_value(op, "cos_sin_cache", f"rot_dim <= head_size = {head_size}", f"rot_dim {rot_dim}")
     return p, pv, q, qv, kv, cs, head_size, off, rot_dim
 
 
@@ -429,9 +431,10 @@ def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cach
         head_size: channels per head.
         cos_sin_cache: ``[max_position, rot_dim]``, cos half first; the query's dtype or float32;
             ``rot_dim`` even, ``<= head_size``.
-        is_neox: NeoX (rotate-half) or GPT-J (interleaved) pairs.
+        is_neox: a bool: NeoX (rotate-half) or GPT-J (interleaved) pairs.
         query_out, key_out: optional outputs of ``query``'s / ``key``'s shape and dtype, last
-            dimension contiguous, overlapping no argument. Allocated (contiguous) when None.
+            dimension contiguous, sharing no element with any argument (slices of one fused
+            output buffer are fine). Allocated (contiguous) when None.
         stream: CUDA stream; default the caller's current stream.
 
     Returns ``(query_out, key_out)``. Mutates: ``query_out`` and ``key_out`` only.
@@ -441,8 +444,9 @@ def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cach
 
     Matches FlashInfer ``apply_rope_with_cos_sin_cache(positions, query, key, head_size,
     cos_sin_cache, is_neox)`` (its arguments, out-of-place result and output shapes). Differs:
-    the numerics are vLLM's ``rotary_embedding`` (above), not FlashInfer's, and the cos/sin
-    cache may be of the query's dtype as well as float32.
+    the numerics are vLLM's ``rotary_embedding`` (those of :func:`rotary_embedding` with
+    ``fma="vllm"``), not FlashInfer's; the cos/sin cache may be of the query's dtype as well as
+    float32; ``is_neox`` must be a bool.
     """
     if ad.is_compiling():
         return apply_rope_with_cos_sin_cache.traced(
@@ -466,7 +470,7 @@ def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cach
     qov = _heads(op, "query_out", qo, p.shape, D, "query's shape")
     kov = _heads(op, "key_out", ko, p.shape, D, "key's shape")
     C.no_overlap(op, {"query_out": qov, "key_out": kov},
-                 {"query": qv, "key": kv, "positions": pv, "cos_sin_cache": cs})
+                 {"query": qv, "key": kv, "positions": pv, "cos_sin_cache": cs}, interleaved=True)
     spec = RopeCacheSpec(q.kind, cs.kind, True, is_neox, False, FORMS[("vllm", False)], out=True)
     _launch(op, spec, pv, qv, kv, None, cs, None, None, None, None, None, pv.shape[0], off,
             rot_dim, D, stream, k, qov, kov)
