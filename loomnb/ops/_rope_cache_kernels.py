@@ -212,6 +212,17 @@ def _fp8_packer(kv):
     return pack_words
 
 
+@device
+def outside_span(ii, n, step, off, gap):
+    """``(head, channel)`` of item ``ii`` of ``n`` items per head that skip the rotated span:
+    item ``u`` of a head is channel ``step * u``, moved past ``[off, off + gap)``."""
+    h = ii // n
+    c = (ii - h * n) * step
+    if c >= off:
+        c += gap
+    return h, c
+
+
 def rope_cache_kernel(spec):
     """The ``@cuda.jit`` function for ``spec`` (see the module docstring)."""
     return (_vector if spec.layout == "vector" else _scalar)(spec)
@@ -306,21 +317,13 @@ def _scalar(spec):
                     put_key(kc, blk, boff, h, cx, cache_code(dec(bx), sc))
                     put_key(kc, blk, boff, h, cy, cache_code(dec(by), sc))
             elif i < nrot + ncp:  # out of place: the channels outside the rotated span
-                ii = i - nrot
-                h = ii // kcopy
-                d = ii - h * kcopy
-                if d >= off:
-                    d += 2 * e
+                h, d = outside_span(i - nrot, kcopy, 1, off, 2 * e)
                 if h < Hq:
                     qo[t, h, d] = q[t, h, d]
                 else:
                     ko[t, h - Hq, d] = k[t, h - Hq, d]
             elif i < nrot + ncp + nkc:
-                ii = i - nrot - ncp
-                h = ii // kcopy
-                d = ii - h * kcopy
-                if ROPE and d >= off:
-                    d += 2 * e
+                h, d = outside_span(i - nrot - ncp, kcopy, 1, off, 2 * e if ROPE else 0)
                 if FP8:
                     put_key(kc, blk, boff, h, d, fp8(dec(k[t, h, d]), ks[h]))
                 else:
@@ -490,23 +493,13 @@ def _vector(spec):
                     cache_key_unit(kc, blk, boff, h, cx, xv, 0, sc)
                     cache_key_unit(kc, blk, boff, h, cy, xv, 8, sc)
             elif i < nrot + ncp:  # out of place: the units outside the rotated span
-                ii = i - nrot
-                h = ii // kcopy
-                u = ii - h * kcopy
-                c = u * 8
-                if c >= off:
-                    c += 2 * e
+                h, c = outside_span(i - nrot, kcopy, 8, off, 2 * e)
                 if h < Hq:
                     store_u32x4(qo[t, h], c >> 1, load_u32x4(q[t, h], c >> 1))
                 else:
                     store_u32x4(ko[t, h - Hq], c >> 1, load_u32x4(k[t, h - Hq], c >> 1))
             elif i < nrot + ncp + nkc:
-                ii = i - nrot - ncp
-                h = ii // kcopy
-                u = ii - h * kcopy
-                c = u * 8
-                if ROPE and c >= off:
-                    c += 2 * e
+                h, c = outside_span(i - nrot - ncp, kcopy, 8, off, 2 * e if ROPE else 0)
                 row = k[t, h]
                 if FP8:
                     load_unit(xv, 0, row, c)
