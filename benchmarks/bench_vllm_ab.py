@@ -105,7 +105,7 @@ PLUGIN_ENTRY = "loomnb = loomnb.integrations.vllm:register"
 CONTROL_ENTRY = "loomnb_ab_control = benchmarks.bench_vllm_ab:register_control"
 
 
-_ROPE_NE = None  # (in the worker) int64 [2] on the GPU: bytes that differed, bytes compared
+_ROPE_NE = None  # (in the worker) int64 [2] on the GPU: 16-bit values that differed, compared
 
 
 def _count_ne(a, b):
@@ -189,6 +189,8 @@ def _rpc_rope_check(worker, reset=False):
         m._ROPE_NE.zero_()
         return [0, 0]
     return m._ROPE_NE.tolist()
+
+
 CHECK_PROMPTS = [
     "The capital of France is",
     "Write a short poem about the sea.",
@@ -493,7 +495,8 @@ def child_env(config, plugin_site, compile_cache):
     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if not compile_cache:
         env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
-    # (a)/(b): no general plug-in at all; (c) and the ISOLATED ones: loomnb's only.
+    # (a)/(b): no general plug-in at all; (c) and the ISOLATED ones: loomnb's only; the
+    # CONTROLS: the A/B's control plug-in only
     ours = config.startswith("loomnb") or config in CONTROLS
     env["VLLM_PLUGINS"] = ("loomnb_ab_control" if config in CONTROLS
                            else "loomnb" if ours else "")
@@ -715,8 +718,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true",
                     help="1 rep of 128 tokens, launches profiled at batch 1 only")
     ap.add_argument("--configs", default=",".join(CONFIGS),
-                    help="configurations to run: " + ", ".join(ALL_CONFIGS) + " (the last "
-                         "three: one op family given to loomnb, tokens only)")
+                    help="configurations to run: " + ", ".join(ALL_CONFIGS) + " (all but the "
+                         "first three: token checks only, see the module docstring)")
     ap.add_argument("--orders", default="forward,reversed", help="orders to run them in")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
