@@ -1,7 +1,8 @@
 """The RoPE / KV-cache oracles and the scaffold primitives they brought, on the CPU (plain pass):
 ``loomnb.oracle.numerics.fma_f32`` against exact rational arithmetic, ``e5m2_encode`` against
 its definition, the portable E5M2 device encoder against the oracle (every bf16 and fp16 value,
-boundaries, specials; simulator pass), and the RoPE oracle on hand-checked values.
+boundaries, specials; simulator pass), and the RoPE oracles (in place and out of place) on
+hand-checked values.
 """
 
 from fractions import Fraction
@@ -121,6 +122,28 @@ def test_oracle_unit_vector(is_neox, sin_at):
     out = q[0].astype(np.float32)
     assert out[0] == np.float32(0.5390625) and out[sin_at] == np.float32(0.83984375)
     assert np.count_nonzero(out) == 2
+
+
+def test_oracle_out_of_place_unit_vector_and_pass_through():
+    """apply_rope_with_cos_sin_cache's oracle: the hand-checked unit vector (GPT-J, position 1)
+    lands in new arrays, the inputs keep their bits, and with rot_dim 64 of head_size 128 the
+    channels 64.. are copied as they are; given outputs are filled and returned."""
+    q = np.zeros((1, 128), BF16)
+    q[0, 0] = 1
+    q[0, 100] = 3
+    k = q.copy()
+    before = q.copy()
+    qo, ko = O.apply_rope_with_cos_sin_cache(np.array([1], np.int64), q, k, 128,
+                                             cos_sin(64, BF16), False)
+    assert np.array_equal(q.view(np.uint16), before.view(np.uint16))
+    for out in (qo, ko):
+        f = out[0].astype(np.float32)
+        assert f[0] == np.float32(0.5390625) and f[1] == np.float32(0.83984375)
+        assert f[100] == 3 and np.count_nonzero(f) == 3
+    given = np.full_like(q, 7), np.full_like(k, 7)
+    got = O.apply_rope_with_cos_sin_cache(np.array([1], np.int64), q, k, 128, cos_sin(64, BF16),
+                                          False, query_out=given[0], key_out=given[1])
+    assert got[0] is given[0] and np.array_equal(given[0].view(np.uint16), qo.view(np.uint16))
 
 
 def test_oracle_forms_are_the_formulas():
