@@ -90,7 +90,10 @@ ISOLATED = {"loomnb_norms": ("rms_norm", "fused_add_rms_norm"),
 # of loomnb's out-of-place RoPE (new q/k buffers) with vLLM's bits (tokens only)
 # rope_check: loomnb's out-of-place RoPE (its result used), each call also compared on the
 # device with vLLM's kernel on copies of the same q and k; the counts come back in the JSON
-CONTROLS = ("vllm_rope_copy", "rope_check")
+# rope_plain: loomnb's out-of-place RoPE through the control plug-in, nothing else (what
+# loomnb_rope does, without the loomnb plug-in; with rope_check: do the comparison's extra
+# kernels change the tokens?)
+CONTROLS = ("vllm_rope_copy", "rope_check", "rope_plain")
 ALL_CONFIGS = CONFIGS + tuple(ISOLATED) + CONTROLS
 LABELS = {"default": "(a) vLLM default (Inductor-generated kernels)",
           "vllm_ops": "(b) vLLM with its CUDA custom ops",
@@ -99,7 +102,8 @@ LABELS = {"default": "(a) vLLM default (Inductor-generated kernels)",
           "loomnb_silu": "(b) with only SiLU-and-mul given to loomnb (tokens only)",
           "loomnb_rope": "(b) with only RoPE given to loomnb (tokens only)",
           "vllm_rope_copy": "(b) with vLLM's RoPE on contiguous copies of q and k (tokens only)",
-          "rope_check": "(b) with loomnb's RoPE, each call compared with vLLM's on copies (tokens only)"}
+          "rope_check": "(b) with loomnb's RoPE, each call compared with vLLM's on copies (tokens only)",
+          "rope_plain": "(b) with loomnb's RoPE through the control plug-in (tokens only)"}
 ORDERS = {"forward": ALL_CONFIGS, "reversed": tuple(reversed(ALL_CONFIGS))}
 PLUGIN_ENTRY = "loomnb = loomnb.integrations.vllm:register"
 CONTROL_ENTRY = "loomnb_ab_control = benchmarks.bench_vllm_ab:register_control"
@@ -146,7 +150,9 @@ def register_control():
     * ``rope_check``: loomnb's ``apply_rope_with_cos_sin_cache`` (its result is used), and on
       every call vLLM's op on copies of the same query and key, compared on the device
       (``loomnb_ab::count_ne``, a custom op that nominally mutates loomnb's output so that
-      nothing removes it); ``_rpc_rope_check`` reads the counts."""
+      nothing removes it); ``_rpc_rope_check`` reads the counts;
+    * ``rope_plain``: loomnb's ``apply_rope_with_cos_sin_cache`` alone (``loomnb_rope``'s route
+      without the loomnb plug-in, and ``rope_check`` without its comparison)."""
     import torch
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
@@ -158,12 +164,22 @@ def register_control():
             key = None if key is None else key.clone(memory_format=torch.contiguous_format)
             return super().forward_cuda(positions, query, key)
 
-    if which != "rope_check":
+    if which == "vllm_rope_copy":
         RotaryEmbedding.register_oot(CopyThenVllmRope)
+        return
+    import loomnb
+
+    if which == "rope_plain":
+        class PlainLoomnbRope(RotaryEmbedding):
+            def forward_cuda(self, positions, query, key=None):
+                cache = self._match_cos_sin_cache_dtype(query)
+                return loomnb.apply_rope_with_cos_sin_cache(positions, query, key, self.head_size,
+                                                            cache, self.is_neox_style)
+
+        RotaryEmbedding.register_oot(PlainLoomnbRope)
         return
 
     count_ne = _count_ne_op()
-    import loomnb
 
     class CheckedLoomnbRope(CopyThenVllmRope):
         def forward_cuda(self, positions, query, key=None):
@@ -186,7 +202,9 @@ def _rpc_rope_check(worker, reset=False):
     if m is None or m._ROPE_NE is None:
         return None
     if reset:
-        m._ROPE_NE.zero_()
+        import torch
+        with torch.inference_mode():  # the counter was made inside vLLM's inference mode
+            m._ROPE_NE.zero_()
         return [0, 0]
     return m._ROPE_NE.tolist()
 
@@ -579,7 +597,8 @@ def analyse(runs, plan):
     for order in orders:
         pairs = [("loomnb", "vllm_ops"), ("loomnb", "default"), ("vllm_ops", "default")]
         pairs += [(c, "vllm_ops") for c in (*ISOLATED, *CONTROLS)]
-        for x, y in pairs + [("loomnb_rope", "vllm_rope_copy"), ("rope_check", "loomnb_rope")]:
+        for x, y in pairs + [("loomnb_rope", "vllm_rope_copy"), ("rope_check", "loomnb_rope"),
+                             ("rope_plain", "loomnb_rope"), ("rope_plain", "rope_check")]:
             if (order, x) in by and (order, y) in by:
                 tokens.append(compare_tokens(by[(order, x)], by[(order, y)]))
         tpot[order] = {}

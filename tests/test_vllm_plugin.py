@@ -117,6 +117,15 @@ CALLS = []  # which implementation the fake CustomOps ran
 
 class FakeCustomOp:
     registry_oot = {}
+    custom_ops = ["none"]  # what the fake vllm.config's compilation config holds
+
+    @classmethod
+    def enabled(cls):  # vLLM 0.24's rule (model_executor/custom_op.py): by cls.name
+        ops = FakeCustomOp.custom_ops
+        return (("all" in ops or f"+{cls.name}" in ops)) and f"-{cls.name}" not in ops
+
+    def dispatch_forward(self, compile_native=False):  # vLLM calls it from CustomOp.__init__
+        return self.forward_cuda if self.enabled() else "native"
 
     @classmethod
     def register_oot(cls, op_cls=None, name=None):
@@ -171,6 +180,9 @@ def fake_vllm(monkeypatch):
     module("vllm.model_executor")
     module("vllm.model_executor.custom_op", op_registry_oot=FakeCustomOp.registry_oot,
            CustomOp=FakeCustomOp)
+    module("vllm.config", get_cached_compilation_config=lambda: types.SimpleNamespace(
+        custom_ops=FakeCustomOp.custom_ops))
+    monkeypatch.setattr(FakeCustomOp, "custom_ops", ["none"])
     module("vllm.model_executor.layers")
     module("vllm.model_executor.layers.activation", SiluAndMul=SiluAndMul)
     module("vllm.model_executor.layers.rotary_embedding")
@@ -364,6 +376,47 @@ def test_rotary_embedding_class_routes_and_falls_back(fake_vllm, loomnb_ops):
         "positions is not int64 on the query's device": 1,
         "key is None (the out-of-place form rotates a query and a key)": 1,
         "vLLM selected its FlashInfer rotary path": 1}}
+
+
+@pytest.mark.parametrize("custom_ops, want", [
+    (["none", "+SiluAndMul"], "loomnb"),
+    (["none", "+silu_and_mul"], "vllm"),          # vLLM's own CUDA op, as without the plug-in
+    (["none"], None),                              # vLLM's torch-native forward
+    (["all"], "loomnb"),
+    (["all", "-silu_and_mul"], None),
+    (["all", "-SiluAndMul"], None),
+    (["none", "+SiluAndMul", "+silu_and_mul"], "loomnb"),
+])
+def test_custom_op_mode(custom_ops, want):
+    assert V.custom_op_mode(custom_ops, "SiluAndMul", "silu_and_mul") == want
+
+
+def test_replaced_custom_ops_keep_vllms_own_names(fake_vllm, loomnb_ops, monkeypatch):
+    """The plug-in replaces the CustomOp class for every configuration; "+silu_and_mul" and
+    "+rotary_embedding" must still run vLLM's own CUDA ops (an A/B giving loomnb one op at a
+    time relies on it), "none" alone the torch-native forward, "+SiluAndMul" loomnb."""
+    V.register()
+    silu, rope = fake_vllm.oot["SiluAndMul"], fake_vllm.oot["RotaryEmbedding"]
+    x = torch.randn(3, 8, dtype=BF16)
+    qkv = torch.randn(5, 15 * 64, dtype=BF16)
+    q, k, pos, cache = qkv[:, :576], qkv[:, 576:768], torch.arange(5), torch.randn(32, 64)
+    for ops, enabled, who in ((["none", "+silu_and_mul", "+rotary_embedding"], True, "vllm"),
+                              (["none", "+SiluAndMul", "+RotaryEmbedding"], True, "loomnb"),
+                              (["none"], False, None)):
+        monkeypatch.setattr(FakeCustomOp, "custom_ops", ops)
+        CALLS.clear()
+        assert silu.enabled() is enabled and rope.enabled() is enabled
+        s_op, r_op = silu(), rope(64, cache)
+        s_fwd, r_fwd = s_op.dispatch_forward(), r_op.dispatch_forward()
+        if not enabled:
+            assert s_fwd == r_fwd == "native"
+            continue
+        s_fwd(x)
+        qo, ko = r_fwd(pos, q, k)
+        if who == "vllm":
+            assert CALLS == ["vllm silu_and_mul", "vllm rotary_embedding"] and qo is q
+        else:
+            assert CALLS == [("loomnb apply_rope", 64, True)] and qo is not q
 
 
 def test_ir_dispatch_falls_back_by_priority_and_counts(fake_vllm, monkeypatch):
@@ -732,7 +785,7 @@ def test_bench_control_plugins(fake_vllm, loomnb_ops, monkeypatch):
     """The A/B's control plug-in: ``vllm_rope_copy`` runs vLLM's RoPE on contiguous copies;
     ``rope_check`` returns loomnb's result and counts, on the device, the 16-bit values where
     vLLM's op on the same inputs differs (here: a loomnb stub that is exact, then one that is
-    off in one value), also under torch.compile."""
+    off in one value), also under torch.compile; ``rope_plain`` calls loomnb's RoPE alone."""
     sys.path.insert(0, str(REPO))
     import benchmarks.bench_vllm_ab as ab
     qkv = torch.randn(3, 15 * 4, dtype=BF16)
@@ -764,6 +817,12 @@ def test_bench_control_plugins(fake_vllm, loomnb_ops, monkeypatch):
     compiled(pos, q, k)
     compiled(pos, q, k)
     assert ab._ROPE_NE.tolist() == [2, 3 * 144]
+    fake_vllm.oot.pop("RotaryEmbedding")
+    monkeypatch.setenv("LOOMNB_AB_CONTROL", "rope_plain")  # loomnb's RoPE alone
+    ab.register_control()
+    CALLS.clear()
+    qo, ko = fake_vllm.oot["RotaryEmbedding"](4, cache).forward_cuda(pos, q, k)
+    assert qo is not q and CALLS == [("loomnb apply_rope", 4, True)]
 
 
 def test_bench_merge_of_one_order_per_run(tmp_path):

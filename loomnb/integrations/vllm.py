@@ -34,9 +34,11 @@ through vLLM 0.24.0's own mechanisms (read from its sources):
   compiled ``rms_norm``/``fused_add_rms_norm`` (``docs/numerics.md``).
 * **CustomOps**: ``SiluAndMul.register_oot`` / ``RotaryEmbedding.register_oot`` swap the class
   vLLM instantiates for a subclass whose ``forward_cuda`` calls loomnb. vLLM names an
-  out-of-tree class by the class name, so it is enabled by ``"+SiluAndMul"`` /
-  ``"+RotaryEmbedding"`` in ``compilation_config["custom_ops"]`` (``"+silu_and_mul"`` enables
-  vLLM's own CUDA op and leaves the loomnb class on its torch-native forward). Registered only
+  out-of-tree class by the class name, so loomnb is selected by ``"+SiluAndMul"`` /
+  ``"+RotaryEmbedding"`` in ``compilation_config["custom_ops"]``. The replacement keeps vLLM's
+  own names working as before: ``"+silu_and_mul"`` / ``"+rotary_embedding"`` run vLLM's own CUDA
+  op through it, ``"-..."`` (either name) or neither under ``"none"`` the torch-native forward,
+  and ``"all"`` loomnb (:func:`custom_op_mode`). Registered only
   when ``loomnb`` has the op (``hasattr(loomnb, name)``) with the signature called here.
   RoPE is routed to the out-of-place form: under torch.compile an in-place custom op on the
   query and key (views of the QKV GEMM's output) is functionalised, and Inductor lowers that
@@ -374,14 +376,59 @@ IR_OPS = {
 
 # --------------------------------------------------------------------------------------------
 # The CustomOp replacements (classes made when vLLM is there: they subclass vLLM's).
+def custom_op_mode(custom_ops, cls_name, vllm_name):
+    """Which forward vLLM's CustomOp runs once the plug-in has replaced it: ``"loomnb"``,
+    ``"vllm"`` (vLLM's own CUDA op) or ``None`` (disabled: vLLM's torch-native forward, which
+    Inductor compiles), from ``compilation_config.custom_ops`` (a list holding ``"none"`` or
+    ``"all"`` and ``"+name"`` / ``"-name"`` switches).
+
+    vLLM enables an out-of-tree class by its class name (``cls_name``, e.g. ``"SiluAndMul"``) and
+    never by the in-tree op's registered name (``vllm_name``, e.g. ``"silu_and_mul"``), so a
+    replacement that only followed vLLM's rule would turn ``"+silu_and_mul"`` -- vLLM's own CUDA
+    op -- into the torch-native forward. The rule here: a ``"-"`` of either name disables;
+    ``"+cls_name"`` selects loomnb; ``"+vllm_name"`` vLLM's op; otherwise ``"all"`` selects
+    loomnb and ``"none"`` disables."""
+    if f"-{cls_name}" in custom_ops or f"-{vllm_name}" in custom_ops:
+        return None
+    if f"+{cls_name}" in custom_ops:
+        return "loomnb"
+    if f"+{vllm_name}" in custom_ops:
+        return "vllm"
+    return "loomnb" if "all" in custom_ops else None
+
+
+def _selectable(base, cls_name, vllm_name):
+    """A subclass of vLLM's CustomOp ``base`` that follows :func:`custom_op_mode`: ``enabled()``
+    says whether either CUDA forward runs, and ``self._loomnb_on`` (set when vLLM picks the
+    forward, at construction) whether it is loomnb's."""
+    from vllm.config import get_cached_compilation_config
+
+    class Selectable(base):
+        @classmethod
+        def _mode(cls):
+            return custom_op_mode(get_cached_compilation_config().custom_ops, cls_name, vllm_name)
+
+        @classmethod
+        def enabled(cls):
+            return cls._mode() is not None
+
+        def dispatch_forward(self, *args, **kwargs):
+            self._loomnb_on = type(self)._mode() == "loomnb"
+            return super().dispatch_forward(*args, **kwargs)
+
+    return Selectable
+
+
 def _silu_class(base):
-    class LoomnbSiluAndMul(base):
+    class LoomnbSiluAndMul(_selectable(base, "SiluAndMul", "silu_and_mul")):
         """vLLM's ``SiluAndMul`` whose CUDA forward is ``loomnb.silu_and_mul(x)`` (vLLM's own
         ``forward_cuda`` where :func:`silu_and_mul_fallback_reason` gives a reason)."""
 
         _loomnb = True
 
         def forward_cuda(self, x):
+            if not getattr(self, "_loomnb_on", True):  # "+silu_and_mul": vLLM's own op
+                return super().forward_cuda(x)
             reason = silu_and_mul_fallback_reason(x)
             _note("silu_and_mul", reason)
             if reason is None:
@@ -392,7 +439,7 @@ def _silu_class(base):
 
 
 def _rope_class(base):
-    class LoomnbRotaryEmbedding(base):
+    class LoomnbRotaryEmbedding(_selectable(base, "RotaryEmbedding", "rotary_embedding")):
         """vLLM's ``RotaryEmbedding`` whose CUDA forward is
         ``loomnb.apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cache,
         is_neox)``, returning new rotated tensors (vLLM's own ``forward_cuda``, in place, where
@@ -401,6 +448,8 @@ def _rope_class(base):
         _loomnb = True
 
         def forward_cuda(self, positions, query, key=None):
+            if not getattr(self, "_loomnb_on", True):  # "+rotary_embedding": vLLM's own op
+                return super().forward_cuda(positions, query, key)
             if getattr(self, "use_flashinfer", False):
                 reason = "vLLM selected its FlashInfer rotary path"
             else:
