@@ -8,7 +8,13 @@ process, in a CUDA graph where every call follows the GEMM that produces its inp
 engine), two ways: graph time per (GEMM + op) iteration, and the CUPTI duration of the op's
 kernels (``torch.profiler`` over graph replays: the A/B's measure). Beside them, floors: an
 empty numba kernel with one parameter and with 110 (ten 3-D arrays' worth), an empty Triton
-kernel, and a minimal numba SiLU-and-mul (one thread per 8 outputs, no row/chunk arithmetic).
+kernel, a copy of the SiLU's two halves (numba and Triton), and SiLU-and-mul with vLLM's numerics
+(libdevice ``expf``, IEEE division) written minimally in numba with 8, 4 or 2 outputs a thread
+and in Triton with 2, 4 or 8 (``BLOCK`` 256, 512, 1024 over 4 warps), plus numba's fast-math
+form; the SASS size of each kernel it compiled (``code_bytes``). Kernels also run back to back
+without the GEMM (``cupti_us_op_alone``) for the SiLU cases. (The three JSONs of 2026-12-01
+count two ``torch.ones`` kernels, about 0.9 µs each, in vLLM's ``rope+cache``: its scale
+arguments were made in the call then; they are made once now.)
 
     python3 benchmarks/probe_decode_latency.py --out $OUT [--vllm-lib PATH] [--tokens 1,8,64]
 """
@@ -333,6 +339,7 @@ def main(argv=None):
         }
         if vllm:
             C, CC = torch.ops._C, torch.ops._C_cache_ops
+            one = torch.ones((), device=dev)
             cases.update({
                 ("rms_norm", "vllm"): ("x", lambda: C.rms_norm(out, x, nw, EPS)),
                 ("fused_add_rms_norm", "vllm"): ("x", lambda: C.fused_add_rms_norm(x, res, nw, EPS)),
@@ -341,8 +348,7 @@ def main(argv=None):
                 ("rope+cache", "vllm"): ("qkv", lambda: (
                     C.rotary_embedding(positions, q, k, HD, cos_sin, True),
                     CC.reshape_and_cache_flash(k.view(T, NKV, HD), v.view(T, NKV, HD), kc, vc,
-                                               slots, "auto", torch.ones((), device=dev),
-                                               torch.ones((), device=dev)))),
+                                               slots, "auto", one, one))),
             })
         # floors
         xa = ad.wrap("probe", "x", gu)
