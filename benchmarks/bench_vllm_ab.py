@@ -589,6 +589,23 @@ def compare_tokens(a, b):
             "tokens_per_prompt": max((len(x) for x in ta), default=0), "first_divergences": divs}
 
 
+CUSTOM_OP_CLASSES = ("SiluAndMul", "RotaryEmbedding")
+
+
+def run_forwards(run):
+    """``{"seen": {class: {forward: instances}}, "want": {class: forward}, "as_configured":
+    bool}`` for a loomnb run: which forward each CustomOp instance got (the plug-in's
+    ``custom_op_modes``) against what the configuration asks for -- loomnb's for the classes
+    it gives loomnb, vLLM's own CUDA op for the others. None when the plug-in did not report."""
+    seen = (run.get("plugin") or {}).get("custom_op_modes")
+    if seen is None:
+        return None
+    given = CUSTOM_OP_CLASSES if run["config"] == "loomnb" else ISOLATED[run["config"]]
+    want = {c: "loomnb" if c in given else "vllm" for c in CUSTOM_OP_CLASSES}
+    ok = all(set(seen.get(c, {})) <= {want[c]} for c in CUSTOM_OP_CLASSES)
+    return {"seen": seen, "want": want, "as_configured": ok}
+
+
 def analyse(runs, plan):
     ok = [r for r in runs if "error" not in r]
     by = {(r["order"], r["config"]): r for r in ok}
@@ -626,6 +643,8 @@ def analyse(runs, plan):
         c = t["a"].split("/")[0]
         if c in ISOLATED and t["b"].startswith("vllm_ops/"):
             by_op[c] = by_op.get(c, True) and t["identical"]
+    forwards = {f"{r['config']}/{r['order']}": run_forwards(r) for r in ok
+                if r["config"] == "loomnb" or r["config"] in ISOLATED}
     targets = {
         "tokens_c_identical_to_b": bool(c_vs_b) and all(t["identical"] for t in c_vs_b),
         "tokens_identical_to_b_with_only": by_op,
@@ -633,8 +652,13 @@ def analyse(runs, plan):
                                         for b, v in rows.items()} for o, rows in tpot.items()},
         "tpot_target_met": bool(ratios) and all(r is not None and r >= 1.0 for r in ratios),
         "all_runs_completed": len(ok) == len(runs),
+        # every loomnb run's CustomOps ran the forward its configuration asks for (None: a run
+        # whose plug-in did not report it)
+        "custom_op_forwards_as_configured": (None if any(v is None for v in forwards.values())
+                                             else all(v["as_configured"] for v in forwards.values())),
     }
     return {"targets": targets, "tokens": tokens, "tokens_across_orders": across,
+            "custom_op_forwards": forwards,
             "tpot": tpot, "init_s": init, "launches_per_decode_step": launch}
 
 
@@ -658,6 +682,9 @@ def print_summary(result):
             for b, v in rows.items():
                 print(f"  launches/step {order} {c} batch {b}: loomnb {v['loomnb_per_step']}, "
                       f"all {v['kernels_per_step']}" + (f" (error {v['error']})" if v["error"] else ""))
+    for run, f in a.get("custom_op_forwards", {}).items():
+        if f is not None and not f["as_configured"]:
+            print(f"  WARNING {run}: CustomOp forwards {f['seen']}, configured {f['want']}")
     print("  targets:", json.dumps(a["targets"]))
 
 

@@ -417,6 +417,12 @@ def test_replaced_custom_ops_keep_vllms_own_names(fake_vllm, loomnb_ops, monkeyp
             assert CALLS == ["vllm silu_and_mul", "vllm rotary_embedding"] and qo is q
         else:
             assert CALLS == [("loomnb apply_rope", 64, True)] and qo is not q
+    modes = {"vllm": 1, "loomnb": 1, "native": 1}  # one instance of each class per setting
+    assert V.custom_op_modes() == {"SiluAndMul": modes, "RotaryEmbedding": modes}
+    assert V.report()["custom_op_modes"] == V.custom_op_modes()
+    assert "SiluAndMul instances by forward: loomnb 1, native 1, vllm 1" in V.summary()
+    V.reset_counts()  # counts only: the modes were decided at construction and stay
+    assert V.custom_op_modes()["SiluAndMul"] == modes
 
 
 def test_ir_dispatch_falls_back_by_priority_and_counts(fake_vllm, monkeypatch):
@@ -823,6 +829,24 @@ def test_bench_control_plugins(fake_vllm, loomnb_ops, monkeypatch):
     CALLS.clear()
     qo, ko = fake_vllm.oot["RotaryEmbedding"](4, cache).forward_cuda(pos, q, k)
     assert qo is not q and CALLS == [("loomnb apply_rope", 4, True)]
+
+
+def test_bench_checks_each_runs_custom_op_forwards():
+    """The A/B reads which forward each CustomOp instance got and flags a loomnb run whose
+    forwards are not what its configuration asks for (as the plug-in's class selection once
+    gave vLLM's torch-native SiLU-and-mul to ``loomnb_rope``)."""
+    ab = _bench()
+    run = {"config": "loomnb_rope", "order": "forward",
+           "plugin": {"custom_op_modes": {"SiluAndMul": {"vllm": 1},
+                                          "RotaryEmbedding": {"loomnb": 1}}}}
+    assert ab.run_forwards(run)["as_configured"]
+    run["plugin"]["custom_op_modes"]["SiluAndMul"] = {"native": 1}
+    f = ab.run_forwards(run)
+    assert not f["as_configured"] and f["want"] == {"SiluAndMul": "vllm", "RotaryEmbedding": "loomnb"}
+    run = {"config": "loomnb", "order": "forward",
+           "plugin": {"custom_op_modes": {"SiluAndMul": {"loomnb": 2}, "RotaryEmbedding": {"loomnb": 1}}}}
+    assert ab.run_forwards(run)["as_configured"]
+    assert ab.run_forwards({"config": "loomnb", "order": "forward", "plugin": {}}) is None
 
 
 def test_bench_merge_of_one_order_per_run(tmp_path):

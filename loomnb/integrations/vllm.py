@@ -85,7 +85,7 @@ from ..checks import LoomnbValueError
 from ..ops import _contract as C
 
 __all__ = ["register", "routes", "report", "summary", "routed_counts", "fallback_counts",
-           "reset_counts", "engine_kwargs", "rms_norm_fallback_reason",
+           "reset_counts", "custom_op_mode", "custom_op_modes", "engine_kwargs", "rms_norm_fallback_reason",
            "silu_and_mul_fallback_reason", "rotary_embedding_fallback_reason", "loomnb_op", "Route",
            "PROVIDER", "CONFIGS", "OPS"]
 
@@ -118,6 +118,7 @@ _STATE = {"registered": False, "vllm_version": None}
 _ROUTES = {}     # vllm op -> Route
 _ROUTED = {}     # op -> calls (or traced call sites) given to loomnb
 _FALLBACKS = {}  # op -> {reason: count}
+_MODES = {}      # CustomOp class name -> {"loomnb" | "vllm" | "native": instances}
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,6 +147,15 @@ def fallback_counts():
     """``{op: {reason: n}}``: decisions that left a call to vLLM's implementation, by reason."""
     with _LOCK:
         return {op: dict(per) for op, per in _FALLBACKS.items()}
+
+
+def custom_op_modes():
+    """``{class name: {forward: n}}``: which forward each replaced CustomOp instance got when
+    vLLM built the model -- ``"loomnb"``, ``"vllm"`` (vLLM's own CUDA op) or ``"native"``
+    (vLLM's torch-native forward) -- from :func:`custom_op_mode` and the engine's
+    ``custom_ops``. Kept across :func:`reset_counts` (they are decided once, at construction)."""
+    with _LOCK:
+        return {k: dict(v) for k, v in _MODES.items()}
 
 
 def reset_counts():
@@ -413,7 +423,13 @@ def _selectable(base, cls_name, vllm_name):
             return cls._mode() is not None
 
         def dispatch_forward(self, *args, **kwargs):
-            self._loomnb_on = type(self)._mode() == "loomnb"
+            mode = type(self)._mode()
+            self._loomnb_on = mode == "loomnb"
+            if mode is None:  # vLLM may still force its device forward (enforce_enable)
+                mode = "vllm" if getattr(self, "_enforce_enable", False) else "native"
+            with _LOCK:
+                per = _MODES.setdefault(cls_name, {})
+                per[mode] = per.get(mode, 0) + 1
             return super().dispatch_forward(*args, **kwargs)
 
     return Selectable
@@ -658,7 +674,8 @@ def report():
     return {"plugin": _OP, "loomnb_version": loomnb.__version__,
             "vllm_version": _STATE["vllm_version"], "registered": _STATE["registered"],
             "routes": [dataclasses.asdict(r) for r in routes()],
-            "routed_counts": routed_counts(), "fallback_counts": fallback_counts()}
+            "routed_counts": routed_counts(), "fallback_counts": fallback_counts(),
+            "custom_op_modes": custom_op_modes()}
 
 
 def summary():
@@ -674,6 +691,9 @@ def summary():
     for op, per in sorted(rep["fallback_counts"].items()):
         for reason, n in sorted(per.items()):
             lines.append(f"  {op}: {n} decision(s) left to vLLM: {reason}")
+    for cls_name, per in sorted(rep["custom_op_modes"].items()):
+        lines.append(f"  {cls_name} instances by forward: " +
+                     ", ".join(f"{mode} {n}" for mode, n in sorted(per.items())))
     return "\n".join(lines)
 
 
@@ -727,4 +747,5 @@ def _reset():
     with _LOCK:
         _STATE.update(registered=False, vllm_version=None)
         _ROUTES.clear()
+        _MODES.clear()
         reset_counts()
