@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from numba import cuda, float32, uint32
+from numba import cuda, float32
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H  # noqa: E402
@@ -57,36 +57,8 @@ def _empty_arrays(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, n):
         a0[0, 0, 0] = 0
 
 
-def _mini_silu(out, x, d):
-    """out[row, e] = silu(x[row, e]) * x[row, d + e] for one unit of 8 outputs a thread (words)."""
-    u = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    row = cuda.blockIdx.y
-    if u < (d >> 3):
-        g = load_u32x4(x[row], u * 4)
-        m = load_u32x4(x[row], (d >> 1) + u * 4)
-        r0 = uint32(0)
-        r1 = uint32(0)
-        r2 = uint32(0)
-        r3 = uint32(0)
-        for k in range(4):
-            g0, g1 = unpack(g[k])
-            m0, m1 = unpack(m[k])
-            a0, a1 = unpack(pack(g1 / (float32(1) + cuda.libdevice.expf(-g1)),
-                                 g0 / (float32(1) + cuda.libdevice.expf(-g0))))
-            w = pack(a1 * m1, a0 * m0)
-            if k == 0:
-                r0 = w
-            elif k == 1:
-                r1 = w
-            elif k == 2:
-                r2 = w
-            else:
-                r3 = w
-        store_u32x4(out[row], u * 4, (r0, r1, r2, r3))
-
-
 def _mini_copy(out, x, d):
-    """out[row, e] = x[row, e]: the memory round trip of _mini_silu (both halves loaded)."""
+    """The memory round trip of ``mini_silu_e(8)``: both halves loaded, their XOR stored."""
     u = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     row = cuda.blockIdx.y
     if u < (d >> 3):
@@ -104,10 +76,12 @@ def _silu2(g, m):
     return pack(a1 * m1, a0 * m0)
 
 
-def mini_silu_e(E):
-    """_mini_silu with E outputs a thread (E = 2: one word; 4: ld.v2; 8: ld.v4)."""
+def mini_silu_e(E, fastmath=False):
+    """``out[row, e] = silu(x[row, e]) * x[row, d + e]`` with vLLM's numerics (libdevice
+    ``expf``, IEEE division, the activation rounded before the product) and nothing else: E
+    outputs a thread (2: one word; 4: ``ld.v2``; 8: ``ld.v4``), the row from ``blockIdx.y``."""
     W = E // 2
-    silu2 = cuda.jit(device=True)(_silu2)
+    silu2 = cuda.jit(device=True, fastmath=fastmath)(_silu2)
 
     def kernel(out, x, d):
         u = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -358,10 +332,11 @@ def main(argv=None):
         cases[("floor_empty_110params", "numba")] = ("x", numba_launcher(_empty_arrays, arrs + [L.i64(1)], 1, 32))
         cases[("floor_empty", "triton")] = ("x", triton_empty())
         cases[("silu_and_mul", "numba_minimal")] = ("gu", numba_launcher(
-            _mini_silu, [L.array(oa, words=True), L.array(xa, words=True), L.i64(INTER)],
-            (math.ceil(INTER / 8 / 64), T), 64))
+            mini_silu_e(8), [L.array(oa, words=True), L.array(xa, words=True), L.i64(INTER)],
+            (math.ceil(INTER / 8 / 64), T), 64, label="_mini_silu"))
         cases[("silu_and_mul", "numba_minimal_fastmath")] = ("gu", numba_launcher(
-            _mini_silu, [L.array(oa, words=True), L.array(xa, words=True), L.i64(INTER)],
+            mini_silu_e(8, fastmath=True), [L.array(oa, words=True), L.array(xa, words=True),
+                                            L.i64(INTER)],
             (math.ceil(INTER / 8 / 64), T), 64, label="mini_silu_fastmath", fastmath=True))
         for E, nt in ((8, 64), (8, 128), (4, 128), (2, 128), (2, 256)):
             cases[("silu_and_mul", f"numba_e{E}_t{nt}")] = ("gu", numba_launcher(
