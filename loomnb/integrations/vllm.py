@@ -85,9 +85,9 @@ from ..checks import LoomnbValueError
 from ..ops import _contract as C
 
 __all__ = ["register", "routes", "report", "summary", "routed_counts", "fallback_counts",
-           "reset_counts", "custom_op_mode", "custom_op_modes", "engine_kwargs", "rms_norm_fallback_reason",
-           "silu_and_mul_fallback_reason", "rotary_embedding_fallback_reason", "loomnb_op", "Route",
-           "PROVIDER", "CONFIGS", "OPS"]
+           "reset_counts", "custom_op_mode", "custom_op_modes", "engine_kwargs",
+           "rms_norm_fallback_reason", "silu_and_mul_fallback_reason",
+           "rotary_embedding_fallback_reason", "loomnb_op", "Route", "PROVIDER", "CONFIGS", "OPS"]
 
 PROVIDER = "loomnb"  # the vLLM IR provider name and the entry point's name
 log = logging.getLogger("vllm.loomnb")  # under vLLM's logger, so vLLM's handler prints it
