@@ -33,10 +33,11 @@ Each process reports, with greedy decoding (temperature 0) and EOS ignored:
 
 ``--configs`` may add ``loomnb_norms``, ``loomnb_silu`` and ``loomnb_rope``: (b) with one op
 family given to loomnb (``engine_kwargs("loomnb", ops=...)``), tokens only, each compared with
-(b) -- which op a (c)-vs-(b) token difference comes from -- and two RoPE controls (tokens only,
+(b) -- which op a (c)-vs-(b) token difference comes from -- and three RoPE controls (tokens only,
 through a second plug-in entry point, ``register_control``): ``vllm_rope_copy`` (vLLM's RoPE on
-contiguous copies of q and k) and ``rope_check`` (loomnb's RoPE, each call compared on the
-device with vLLM's on copies; the counts in the run's ``rope_check``).
+contiguous copies of q and k), ``rope_check`` (loomnb's RoPE, each call compared on the
+device with vLLM's on copies; the counts in the run's ``rope_check``) and ``rope_plain``
+(loomnb's RoPE alone, through the control plug-in).
 
 The parent writes one JSON to ``benchmarks/results/vllm_ab_<stamp>_<gpu>.json`` with every
 run, the comparisons and the targets: tokens of (c) identical to (b); TPOT of (c) >= 1.0x the
@@ -169,12 +170,15 @@ def register_control():
         return
     import loomnb
 
+    def loomnb_rope(op, positions, query, key):
+        return loomnb.apply_rope_with_cos_sin_cache(positions, query, key, op.head_size,
+                                                    op._match_cos_sin_cache_dtype(query),
+                                                    op.is_neox_style)
+
     if which == "rope_plain":
         class PlainLoomnbRope(RotaryEmbedding):
             def forward_cuda(self, positions, query, key=None):
-                cache = self._match_cos_sin_cache_dtype(query)
-                return loomnb.apply_rope_with_cos_sin_cache(positions, query, key, self.head_size,
-                                                            cache, self.is_neox_style)
+                return loomnb_rope(self, positions, query, key)
 
         RotaryEmbedding.register_oot(PlainLoomnbRope)
         return
@@ -183,9 +187,7 @@ def register_control():
 
     class CheckedLoomnbRope(CopyThenVllmRope):
         def forward_cuda(self, positions, query, key=None):
-            cache = self._match_cos_sin_cache_dtype(query)
-            qo, ko = loomnb.apply_rope_with_cos_sin_cache(positions, query, key, self.head_size,
-                                                          cache, self.is_neox_style)
+            qo, ko = loomnb_rope(self, positions, query, key)
             qv, kv = super().forward_cuda(positions, query, key)  # vLLM's, on copies
             count_ne(qo, qv)
             count_ne(ko, kv)

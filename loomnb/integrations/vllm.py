@@ -385,7 +385,8 @@ IR_OPS = {
 
 
 # --------------------------------------------------------------------------------------------
-# The CustomOp replacements (classes made when vLLM is there: they subclass vLLM's).
+# The CustomOp replacements (classes made when vLLM is there: each factory in CUSTOM_OPS gets
+# vLLM's class wrapped by _selectable, and subclasses that).
 def custom_op_mode(custom_ops, cls_name, vllm_name):
     """Which forward vLLM's CustomOp runs once the plug-in has replaced it: ``"loomnb"``,
     ``"vllm"`` (vLLM's own CUDA op) or ``None`` (disabled: vLLM's torch-native forward, which
@@ -436,7 +437,7 @@ def _selectable(base, cls_name, vllm_name):
 
 
 def _silu_class(base):
-    class LoomnbSiluAndMul(_selectable(base, "SiluAndMul", "silu_and_mul")):
+    class LoomnbSiluAndMul(base):
         """vLLM's ``SiluAndMul`` whose CUDA forward is ``loomnb.silu_and_mul(x)`` (vLLM's own
         ``forward_cuda`` where :func:`silu_and_mul_fallback_reason` gives a reason)."""
 
@@ -455,7 +456,7 @@ def _silu_class(base):
 
 
 def _rope_class(base):
-    class LoomnbRotaryEmbedding(_selectable(base, "RotaryEmbedding", "rotary_embedding")):
+    class LoomnbRotaryEmbedding(base):
         """vLLM's ``RotaryEmbedding`` whose CUDA forward is
         ``loomnb.apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cache,
         is_neox)``, returning new rotated tensors (vLLM's own ``forward_cuda``, in place, where
@@ -605,7 +606,7 @@ def _register_oot(cls_name):
             return route(True, "registered")
         return route(False, f"another plug-in already replaced {cls_name} "
                             f"({current.__module__}.{current.__qualname__})")
-    base.register_oot(factory(base))
+    base.register_oot(factory(_selectable(base, cls_name, vllm_name)))
     return route(True, "registered")
 
 
