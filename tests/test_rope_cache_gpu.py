@@ -534,3 +534,97 @@ def test_rotary_embedding_bytes_equal_vllm_on_qkv_views(vllm_ops, num_tokens):
                                   f"{bad}: loomnb {[float(got[i, j]) for i, j in bad]} vLLM "
                                   f"{[float(want[i, j]) for i, j in bad]} input "
                                   f"{[float(qkv[i, j]) for i, j in bad]}")
+
+
+# ---------------------------------------------------------------------------------- check_indices
+def _run_every_op(inputs, layout, check):
+    """Every op of the family on ``inputs`` with ``check_indices=check``, twice (an unchecked
+    second call replays; a checked one never does): the last call's outputs."""
+    qkv, pos, cs, kvc, slots, Hq, Hk, D, T = inputs
+    cache_op = loomnb.reshape_and_cache if layout == "legacy_xpacked" else loomnb.reshape_and_cache_flash
+    for _ in range(2):
+        b, c, c2 = qkv.clone(), kvc.clone(), kvc.clone()
+        q, k, v = split(b, Hq, Hk, D, T)
+        kc, vc = pk.kv_views(c, layout, Hk, D)
+        loomnb.rotary_embedding_and_cache(pos, q, k, v, kc, vc, slots, D, cs, True,
+                                          check_indices=check)
+        kc2, vc2 = pk.kv_views(c2, layout, Hk, D)
+        k0, v0 = split(qkv, Hq, Hk, D, T)[1:]
+        cache_op(k0.unflatten(1, (Hk, D)), v0.unflatten(1, (Hk, D)), kc2, vc2, slots, "auto",
+                 None, None, check_indices=check)
+        q2 = qkv[:, :Hq * D].clone()
+        loomnb.rotary_embedding(pos, q2, None, D, cs, True, check_indices=check)
+        qo, ko = loomnb.apply_rope_with_cos_sin_cache(pos, qkv[:, :Hq * D], k0, D, cs,
+                                                      check_indices=check)
+    return b, c, c2, q2, qo, ko
+
+
+@pytest.mark.parametrize("layout", ["interleaved_nhd", "interleaved_hnd", "legacy_xpacked"])
+def test_check_indices_on_valid_indices_same_bytes_no_sync_no_replay(layout):
+    """check_indices=True with in-range indices (the last slot, -1 padding, positions 0 and
+    max_position - 1): the same bytes as the unchecked ops, no host synchronisation (torch's
+    sync debug mode raises on one), and no eager fast-path replay (the device check is not part
+    of a remembered launch, so a checked call is never remembered)."""
+    T, Hq, Hk, D, bs = 9, 8, 2, 128, 16
+    qkv, pos, cs, kvc, _, _, _ = setup(T, Hq, Hk, D, layout, bs, "auto", seed=11)
+    nb = -(-T // bs) + 3
+    slots = torch.tensor([nb * bs - 1, 3, 17, -1, 40, 5, 22, 33, 0], device="cuda")
+    pos[0], pos[1] = 0, MAX_POS - 1
+    inputs = (qkv, pos, cs, kvc, slots, Hq, Hk, D, T)
+    L.clear_launch_cache()
+    plain = _run_every_op(inputs, layout, False)
+    assert L.launch_cache_info()["size"] > 0
+    L.clear_launch_cache()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        checked = _run_every_op(inputs, layout, True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert L.launch_cache_info()["size"] == 0, "a checked call must not be remembered for replay"
+    for a, b, what in zip(checked, plain, ("fused qkv", "fused cache", "cache op", "rope",
+                                            "query_out", "key_out")):
+        assert np.array_equal(u8(a), u8(b)), what
+
+
+BAD_INDEX = {
+    "slot past the cache": "loomnb.reshape_and_cache_flash(k, k, kc, vc, "
+                           "torch.tensor([0, -1, 32], device='cuda'), 'auto', None, None, check_indices=True)",
+    "slot -2": "loomnb.reshape_and_cache_flash(k, k, kc, vc, torch.tensor([0, -2, 3], device='cuda'), "
+               "'auto', None, None, check_indices=True)",
+    "legacy slot": "loomnb.reshape_and_cache(k, k, torch.zeros(2, 1, 8, 16, 8, dtype=k.dtype, device='cuda'), "
+                   "torch.zeros(2, 1, 64, 16, dtype=k.dtype, device='cuda'), "
+                   "torch.tensor([0, 40, 1], device='cuda'), 'auto', None, None, check_indices=True)",
+    "position": "loomnb.rotary_embedding(torch.tensor([0, 16, 1], device='cuda'), q, None, 64, cs, True, "
+                "check_indices=True)",
+    "fused slot": "loomnb.rotary_embedding_and_cache(torch.tensor([0, 1, 2], device='cuda'), q, "
+                  "k.clone().view(3, 64), k.view(3, 64), kc, vc, torch.tensor([5, 99, 1], device='cuda'), "
+                  "64, cs, True, check_indices=True)",
+    "fused position": "loomnb.rotary_embedding_and_cache(torch.tensor([0, -3, 2], device='cuda'), q, "
+                      "k.clone().view(3, 64), k.view(3, 64), kc, vc, torch.tensor([5, 9, 1], device='cuda'), "
+                      "64, cs, True, check_indices=True)",
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INDEX))
+def test_check_indices_fires_the_device_assert_on_a_bad_index(case):
+    """An out-of-range index with check_indices=True: a device-side assert at the next
+    synchronisation, naming the op and the argument (in a subprocess: it ends the CUDA
+    context); the kernel queued after it never writes."""
+    import subprocess
+    import sys
+    code = ("import torch, loomnb\n"
+            "from loomnb.layouts import paged_kv as pk\n"
+            "kvc = pk.allocate_kv_cache('interleaved_nhd', 2, 16, 1, 64, torch.bfloat16, 'cuda')\n"
+            "kc, vc = pk.kv_views(kvc, 'interleaved_nhd')\n"
+            "k = torch.ones(3, 1, 64, dtype=torch.bfloat16, device='cuda')\n"
+            "q = torch.ones(3, 128, dtype=torch.bfloat16, device='cuda')\n"
+            "cs = torch.ones(16, 64, dtype=torch.bfloat16, device='cuda')\n"
+            f"{BAD_INDEX[case]}\n"
+            "torch.cuda.synchronize()\n"
+            "print('NO ASSERT')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = run.stderr + run.stdout
+    assert run.returncode != 0 and "NO ASSERT" not in out, out[-2000:]
+    assert "assert" in out.lower(), out[-2000:]

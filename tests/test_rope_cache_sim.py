@@ -498,3 +498,85 @@ def test_every_public_combination_is_declared():
     assert {(s.kind, s.neox) for s in specs if s.out} == {(k, n) for k in ("bf16", "f16", "f32")
                                                          for n in (True, False)}
     assert {s.form for s in specs} == {"ae", "nn"}
+
+
+# ---------------------------------------------------------------------------------- issue 23
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("D", [64, 36])  # 16-byte units; scalar path (36 is not a multiple of 8)
+def test_three_query_heads_with_two_key_heads(D, is_neox):
+    """FlashInfer's apply_rope_with_cos_sin_cache accepts num_kv_heads not dividing num_heads
+    (3 query heads, 2 key heads) and the kernel never uses the ratio: the out-of-place form, the
+    in-place form and the fused op give the oracle's bits."""
+    rng = np.random.default_rng(23)
+    T, Hq, Hk = 3, 3, 2
+    buf, q, k, v = qkv_buffer(rng, T, Hq, Hk, D, "bf16", pad=8)
+    positions = rng.integers(0, MAX_POS, T).astype(np.int64)
+    cs = cos_sin_cache(D, BF16)
+    got, want, _, _ = call_both("apply_rope_with_cos_sin_cache", positions, q, k, D, cs, is_neox)
+    assert got[1].shape == (T, Hk * D)
+    assert_bits(got[0], want[0], "query_out")
+    assert_bits(got[1], want[1], "key_out")
+    got, want, _, _ = call_both("rotary_embedding", positions, q.copy(), k.copy(), D, cs, is_neox)
+    assert_bits(got[0], want[0], "query (in place)")
+    assert_bits(got[1], want[1], "key (in place)")
+    kvc = pk.allocate_kv_cache("interleaved_nhd", 2, 16, Hk, D, BF16, lib="numpy", fill=0)
+    slots = np.array([0, -1, 31], np.int64)
+    res = []
+    for mod in (loomnb, loomnb.oracle):
+        b, c = buf.copy(), kvc.copy()
+        kc, vc = pk.kv_views(c, "interleaved_nhd", Hk, D)
+        mod.rotary_embedding_and_cache(positions, b[:, :Hq * D], b[:, Hq * D:(Hq + Hk) * D],
+                                       b[:, (Hq + Hk) * D:(Hq + 2 * Hk) * D], kc, vc, slots, D,
+                                       cs, is_neox)
+        res.append((b, c))
+    assert_bits(res[0][0], res[1][0], "fused: query/key")
+    assert_bits(res[0][1], res[1][1], "fused: cache")
+
+
+@pytest.mark.parametrize("layout", ["interleaved_nhd", "legacy_xpacked"])
+def test_check_indices_with_valid_indices_changes_nothing(layout):
+    """check_indices=True on in-range indices (the first and last slot, -1 padding, positions 0
+    and max_position - 1): the same bits as the oracle and as the unchecked call."""
+    rng = np.random.default_rng(5)
+    T, Hq, Hk, D, bs, nb = 4, 2, 2, 32, 16, 2
+    buf, q, k, v = qkv_buffer(rng, T, Hq, Hk, D, "bf16")
+    positions = np.array([0, MAX_POS - 1, 7, 3], np.int64)
+    cs = cos_sin_cache(D, BF16)
+    slots = np.array([0, -1, nb * bs - 1, 17], np.int64)
+    name = "reshape_and_cache" if layout == "legacy_xpacked" else "reshape_and_cache_flash"
+    kvc = pk.allocate_kv_cache(layout, nb, bs, Hk, D, BF16, lib="numpy", fill=0)
+    outs = []
+    for mod, check in ((loomnb, True), (loomnb, False), (loomnb.oracle, True)):
+        b, c = buf.copy(), kvc.copy()
+        kc, vc = pk.kv_views(c, layout, Hk, D)
+        k3, v3 = b[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D), b[:, (Hq + Hk) * D:].reshape(T, Hk, D)
+        getattr(mod, name)(k3, v3, kc, vc, slots, "auto", None, None, check_indices=check)
+        c2 = kvc.copy()
+        kc2, vc2 = pk.kv_views(c2, layout, Hk, D)
+        mod.rotary_embedding_and_cache(positions, b[:, :Hq * D], b[:, Hq * D:(Hq + Hk) * D],
+                                       b[:, (Hq + Hk) * D:], kc2, vc2, slots, D, cs, True,
+                                       check_indices=check)
+        q2 = buf[:, :Hq * D].copy()
+        mod.rotary_embedding(positions, q2, None, D, cs, True, check_indices=check)
+        qo, _ = mod.apply_rope_with_cos_sin_cache(positions, buf[:, :Hq * D], buf[:, Hq * D:(Hq + Hk) * D],
+                                                  D, cs, check_indices=check)
+        outs.append((c, b, c2, q2, qo))
+    for other, what in ((outs[1], "unchecked"), (outs[2], "oracle")):
+        for g, w, part in zip(outs[0], other, ("cache op", "fused buffer", "fused cache",
+                                                "rotary_embedding", "apply_rope")):
+            assert_bits(g, w, f"{part} vs {what}")
+    assert np.count_nonzero(bits(outs[0][0])) > 0 and np.count_nonzero(bits(outs[0][2])) > 0
+
+
+def test_check_indices_rejects_before_any_write():
+    """A bad slot after good ones: the call is refused before the launch, so even the good
+    slots stay unwritten (the device form queues its assert before the kernel)."""
+    rng = np.random.default_rng(8)
+    T, Hk, D = 3, 1, 32
+    key = rng.standard_normal((T, Hk, D)).astype(BF16)
+    kvc = pk.allocate_kv_cache("interleaved_nhd", 1, 16, Hk, D, BF16, lib="numpy", fill=0)
+    kc, vc = pk.kv_views(kvc, "interleaved_nhd")
+    with pytest.raises(loomnb.LoomnbValueError, match=r"'slot_mapping' must be -1 or in \[0, 15\]"):
+        loomnb.reshape_and_cache_flash(key, key, kc, vc, np.array([0, 1, 16], np.int64), "auto",
+                                       None, None, check_indices=True)
+    assert not bits(kvc).any()

@@ -210,3 +210,62 @@ def writable(op, named):
                 fail_value(op, name, "an array whose elements do not overlap each other",
                            f"shape {a.shape} with strides {a.strides} (in elements)")
             reach += (n - 1) * s
+
+
+def assert_in_range(op, name, a, lo, hi, *, allow=None, where=None, given=(), meaning="",
+                    stream=None, flag="check_indices=True"):
+    """The opt-in ``check_indices=True`` of the ops that read device indices: every element of
+    the integer array ``a`` (the ``Arr`` of the caller's whole array, not a view) is in ``[lo,
+    hi]`` (both inclusive) or equals ``allow``. ``where(xp, x, *others) -> bool array`` of
+    ``x``'s shape, when given, selects the elements to check (the block-table entries a
+    sequence reads); ``xp`` is ``torch`` or ``numpy``, ``x`` and ``others`` are the values of
+    ``a`` and of the ``Arr`` s in ``given`` in that library.
+
+    torch tensors: ``torch._assert_async`` on the launch stream (``stream``, else the current
+    one) -- no host synchronisation; a failure is a CUDA device-side assert at the next
+    synchronisation, which ends the CUDA context (a debugging aid, not control flow); the op's
+    kernel, queued after it on the same stream, does not run. NumPy (the simulator): checked
+    here, ``LoomnbValueError`` naming the first bad element. Other device arrays: copied to the
+    host and checked (that synchronises). Bounds past the dtype's range are clipped to it."""
+    bits = 8 * a.itemsize
+    lo, hi = max(lo, -(1 << (bits - 1))), min(hi, (1 << (bits - 1)) - 1)
+    expected = (f"{allow} or " if allow is not None else "") + f"in [{lo}, {hi}]" + (
+        f" {meaning}" if meaning else "")
+
+    def ok(xp, x, *others):
+        good = (x >= lo) & (x <= hi)
+        if allow is not None:
+            good = good | (x == allow)
+        if where is not None:
+            good = good | ~where(xp, x, *others)
+        return good
+
+    if a.lib == "torch" and all(g.lib == "torch" for g in given):
+        torch = ad._torch
+        run = lambda: torch._assert_async(  # noqa: E731
+            ok(torch, a.obj, *(g.obj for g in given)).all(),
+            f"{op}: argument '{name}' must be {expected} ({flag})")
+        if stream is None:
+            run()
+        else:
+            with torch.cuda.stream(torch.cuda.ExternalStream(ad.stream_handle(a, stream),
+                                                             device=a.obj.device)):
+                run()
+        return
+    import numpy as np
+
+    def host(arr):
+        if arr.lib == "numpy":
+            return arr.obj
+        if arr.lib == "torch":
+            return arr.obj.cpu().numpy()
+        if arr.lib == "cupy":
+            return arr.obj.get()
+        from numba import cuda
+        return cuda.as_cuda_array(arr.obj).copy_to_host()
+
+    x = np.asarray(host(a))
+    good = np.asarray(ok(np, x, *(np.asarray(host(g)) for g in given)))
+    if not good.all():
+        idx = tuple(int(i) for i in np.argwhere(~good)[0])
+        fail_value(op, name, f"{expected} ({flag})", f"{x[idx]} at index {list(idx)}")

@@ -130,9 +130,8 @@ def _rope_inputs(op, positions, query, key, head_size, cos_sin_cache, is_neox, o
         check_same_kind(op, "key", k, "query", q)
         check_same_device(op, "key", k, "query", q)
         kv = _heads(op, "key", k, p.shape, head_size, "positions.shape + heads")
-        if qv.shape[1] % kv.shape[1]:
-            fail_value(op, "key", f"a number of heads that divides query's {qv.shape[1]}",
-                       f"{kv.shape[1]} heads")
+        # any num_kv_heads: the kernel rotates query heads and key heads as separate items and
+        # never uses their ratio (vLLM's rotary_embedding checks num_heads % num_kv_heads == 0)
     cs = ad.wrap(op, "cos_sin_cache", cos_sin_cache)
     allowed = cs_kinds or CS_KINDS[q.kind]
     check_kind(op, "cos_sin_cache", cs, allowed)
@@ -169,9 +168,12 @@ def _scale(op, name, obj, like, num_kv_heads):
 
 
 def _kv_inputs(op, key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale,
-               v_scale, *, legacy, like=None, kview=None, vview=None):
+               v_scale, *, legacy, like=None, kview=None, vview=None, value_shape=None):
     """Validate the cache-write arguments; returns (k [T,Hk,D], v, kc, vc views, slots, ks, vs,
-    kv). ``kview``/``vview``: [T, Hk, D] views already made (the fused op)."""
+    kv). ``kview``/``vview``: [T, Hk, D] views already made (the fused op; ``value_shape``: the
+    value's shape as passed, for messages). Every dimension the kernel relies on agrees:
+    key/value tokens, heads and head_size, slot_mapping no longer than the tokens, the caches'
+    heads and head_size, the caches with each other, the scales with num_kv_heads."""
     C.choice(op, "kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
     kvd = _KV[kv_cache_dtype]
     if kview is None:
@@ -185,6 +187,7 @@ def _kv_inputs(op, key, value, key_cache, value_cache, slot_mapping, kv_cache_dt
         like = k
     if vview is None:
         v = ad.wrap(op, "value", value)
+        value_shape = list(v.shape)
         check_same_kind(op, "value", v, "key", like)
         check_same_device(op, "value", v, "key", like)
         if v.ndim == 3:
@@ -199,18 +202,19 @@ def _kv_inputs(op, key, value, key_cache, value_cache, slot_mapping, kv_cache_dt
         else:
             fail_value(op, "value", "3-D [num_tokens, num_kv_heads, head_size]",
                        f"a {v.ndim}-D array of shape {list(v.shape)}")
-    _, Hk, D = kview.shape
-    if tuple(vview.shape[1:]) != (Hk, D):
-        fail_value(op, "value", f"of shape [num_tokens, {Hk}, {D}] like 'key'",
-                   f"shape {list(vview.shape)}")
+    T, Hk, D = kview.shape
+    if tuple(vview.shape) != (T, Hk, D):
+        fail_value(op, "value", f"of shape {[T, Hk, D]} like 'key' ([num_tokens, num_kv_heads, "
+                   "head_size]; num_kv_heads * head_size when 2-D)",
+                   f"shape {list(value_shape or vview.shape)}")
     s = ad.wrap(op, "slot_mapping", slot_mapping)
     check_kind(op, "slot_mapping", s, ("i64",))
     check_same_device(op, "slot_mapping", s, "key", like)
     if s.ndim != 1:
-        fail_value(op, "slot_mapping", "1-D [num_tokens]", f"shape {list(s.shape)}")
-    if s.shape[0] > min(kview.shape[0], vview.shape[0]):
-        fail_value(op, "slot_mapping", f"at most as long as key and value have tokens "
-                   f"({min(kview.shape[0], vview.shape[0])})", f"length {s.shape[0]}")
+        fail_value(op, "slot_mapping", "1-D [num_tokens]", f"a {s.ndim}-D array of shape {list(s.shape)}")
+    if s.shape[0] > T:
+        fail_value(op, "slot_mapping", f"of length at most {T} (the num_tokens of 'key' and "
+                   "'value'; a slot past them would read past their rows)", f"length {s.shape[0]}")
     cache_kinds = (like.kind,) if kvd == "auto" else _CACHE_KINDS[kvd]
     kc = ad.wrap(op, "key_cache", key_cache)
     vc = ad.wrap(op, "value_cache", value_cache)
@@ -258,6 +262,24 @@ def _kv_inputs(op, key, value, key_cache, value_cache, slot_mapping, kv_cache_dt
         vs = _scale(op, "v_scale", v_scale, like, Hk)
     C.writable(op, {"key_cache": kcv, "value_cache": vcv})
     return kview, vview, kc, vc, kcv, vcv, s, ks, vs, kvd
+
+
+def _check_indices(op, check_indices, positions=None, cos_sin_cache=None, slots=None,
+                   key_cache=None, stream=None):
+    """The opt-in ``check_indices=True``: ``positions`` in ``[0, max_position)`` and each
+    ``slot_mapping`` entry -1 (``PAD_SLOT_ID``) or in ``[0, num_blocks * block_size)``
+    (``key_cache``: the ``[num_blocks, block_size, ...]`` view), without a host sync
+    (:func:`loomnb.ops._contract.assert_in_range`). Off: nothing is read."""
+    if not _bool(op, "check_indices", check_indices):
+        return
+    if positions is not None:
+        P = cos_sin_cache.shape[0]
+        C.assert_in_range(op, "positions", positions, 0, P - 1,
+                          meaning=f"(rows of cos_sin_cache: max_position = {P})", stream=stream)
+    if slots is not None:
+        n = key_cache.shape[0] * key_cache.shape[1]
+        C.assert_in_range(op, "slot_mapping", slots, 0, n - 1, allow=-1,
+                          meaning=f"(slots of num_blocks * block_size = {n})", stream=stream)
 
 
 # ------------------------------------------------------------------------------ launch
@@ -338,9 +360,9 @@ def _rope_key(tag, tensors, head_size, is_neox, off, inverse, *rest):
 # ------------------------------------------------------------------------------ the ops
 @torch_op("Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, "
           "Tensor cos_sin_cache, bool is_neox, int rope_dim_offset=0, bool inverse=False, *, "
-          "str fma='vllm'", returns=("query", "key"))
+          "str fma='vllm', bool check_indices=False", returns=("query", "key"))
 def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, rope_dim_offset=0,
-                     inverse=False, *, fma="vllm", stream=None):
+                     inverse=False, *, fma="vllm", check_indices=False, stream=None):
     """Rotary position embedding of ``query`` and ``key``, in place.
 
     Per token ``t`` (position ``p = positions[t]``), head, and pair ``i < e = rot_dim / 2``
@@ -359,18 +381,23 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, r
 
     Args:
         positions: int64 ``[num_tokens]`` or ``[batch_size, seq_len]``; each in ``[0,
-            max_position)`` (not checked: that needs a device read; out of range reads garbage,
-            as vLLM).
+            max_position)``. Unchecked unless ``check_indices=True`` (a device read: out of
+            range reads outside ``cos_sin_cache``, as vLLM).
         query: ``[*positions.shape, num_heads * head_size]`` or ``[*positions.shape, num_heads,
             head_size]``, bf16/fp16/fp32, last dimension contiguous, any token/head strides
             (a slice of a fused QKV buffer). Rotated in place.
-        key: like ``query`` with ``num_kv_heads`` dividing ``num_heads``, or None. Rotated in place.
+        key: like ``query`` with any ``num_kv_heads``, or None. Rotated in place.
         head_size: channels per head.
         cos_sin_cache: ``[max_position, rot_dim]``, cos half first; the query's dtype or float32;
             ``rot_dim`` even, ``rot_dim + rope_dim_offset <= head_size``.
         is_neox: NeoX (rotate-half) or GPT-J (interleaved) pairs.
         rope_dim_offset: first rotated channel of each head.  inverse: negate sin.
         fma: ``"vllm"`` (default) or ``"none"``, see above.
+        check_indices: opt-in check that every position is in ``[0, max_position)``, with no
+            host synchronisation: on torch tensors an asynchronous device-side assert queued
+            before the kernel (when it fires, the CUDA context ends: a debugging aid, not
+            control flow); under the simulator a ``LoomnbValueError`` before the launch. Off by
+            default, as vLLM never checks; a checked call skips the eager fast path.
         stream: CUDA stream; default the caller's current stream.
 
     Returns ``(query, key)``. Mutates: ``query`` and ``key``.
@@ -380,16 +407,19 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, r
 
     Matches vLLM ``torch.ops._C.rotary_embedding(positions, query, key, head_size,
     cos_sin_cache, is_neox, rope_dim_offset, inverse)``. Differs: the key's head stride is the
-    key's own (vLLM uses the query's for both), and the cos/sin dtype is the query's or fp32
-    (vLLM's op takes any float dtype).
+    key's own (vLLM uses the query's for both); the cos/sin dtype is the query's or fp32
+    (vLLM's op takes any float dtype); any ``num_kv_heads`` is accepted (vLLM's op requires
+    ``num_heads % num_kv_heads == 0``, which neither kernel uses).
     """
     if ad.is_compiling():
         return rotary_embedding.traced(positions=positions, query=query, key=key,
                                        head_size=head_size, cos_sin_cache=cos_sin_cache,
                                        is_neox=is_neox, rope_dim_offset=rope_dim_offset,
-                                       inverse=inverse, fma=fma, stream=stream)
+                                       inverse=inverse, fma=fma, check_indices=check_indices,
+                                       stream=stream)
     k = (_rope_key("rotary_embedding", (positions, query, key, cos_sin_cache), head_size,
-                   is_neox, rope_dim_offset, inverse, fma) if stream is None else None)
+                   is_neox, rope_dim_offset, inverse, fma)
+         if stream is None and check_indices is False else None)
     if k is not None and L.replay(k) is not None:
         return query, key
     op = "loomnb.rotary_embedding"
@@ -398,20 +428,23 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, r
     C.writable(op, {"query": qv, "key": kv})
     C.no_overlap(op, {"query": qv, "key": kv}, {"positions": pv, "cos_sin_cache": cs},
                  interleaved=True)
+    _check_indices(op, check_indices, p, cs, stream=stream)
     spec = RopeCacheSpec(q.kind, cs.kind, True, is_neox, inverse, FORMS[(fma, inverse)])
     _launch(op, spec, pv, qv, kv, None, cs, None, None, None, None, None, pv.shape[0], off,
             rot_dim, D, stream, k)
     return query, key
 
 
-def _fake_rope_out(positions, query, key, head_size, cos_sin_cache, is_neox=True):
+def _fake_rope_out(positions, query, key, head_size, cos_sin_cache, is_neox=True, **_):
     return query.new_empty(query.shape), key.new_empty(key.shape)
 
 
 @torch_op("Tensor positions, Tensor query, Tensor key, int head_size, Tensor cos_sin_cache, "
-          "bool is_neox=True", outputs=("query_out", "key_out"), fake=_fake_rope_out)
+          "bool is_neox=True, *, bool check_indices=False", outputs=("query_out", "key_out"),
+          fake=_fake_rope_out)
 def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cache, is_neox=True,
-                                  *, query_out=None, key_out=None, stream=None):
+                                  *, query_out=None, key_out=None, check_indices=False,
+                                  stream=None):
     """Rotary position embedding of ``query`` and ``key`` into new arrays (out of place).
 
     ``query_out``/``key_out`` are ``query``/``key`` rotated exactly as :func:`rotary_embedding`
@@ -423,11 +456,12 @@ def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cach
 
     Args:
         positions: int64 ``[num_tokens]`` or ``[batch_size, seq_len]``; each in ``[0,
-            max_position)`` (not checked).
+            max_position)``, unchecked (a device read) unless ``check_indices=True``.
         query: ``[*positions.shape, num_heads * head_size]`` or ``[*positions.shape, num_heads,
             head_size]``, bf16/fp16/fp32, last dimension contiguous, any token/head strides.
             Not modified.
-        key: like ``query`` with ``num_kv_heads`` dividing ``num_heads``. Not modified.
+        key: like ``query``, any ``num_kv_heads`` (3 query heads with 2 key heads is fine:
+            the kernel never uses the ratio). Not modified.
         head_size: channels per head.
         cos_sin_cache: ``[max_position, rot_dim]``, cos half first; the query's dtype or float32;
             ``rot_dim`` even, ``<= head_size``.
@@ -435,6 +469,7 @@ def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cach
         query_out, key_out: optional outputs of ``query``'s / ``key``'s shape and dtype, last
             dimension contiguous, sharing no element with any argument (slices of one fused
             output buffer are fine). Allocated (contiguous) when None.
+        check_indices: opt-in asynchronous check of ``positions``, as :func:`rotary_embedding`.
         stream: CUDA stream; default the caller's current stream.
 
     Returns ``(query_out, key_out)``. Mutates: ``query_out`` and ``key_out`` only.
@@ -452,10 +487,10 @@ def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cach
         return apply_rope_with_cos_sin_cache.traced(
             positions=positions, query=query, key=key, head_size=head_size,
             cos_sin_cache=cos_sin_cache, is_neox=is_neox, query_out=query_out, key_out=key_out,
-            stream=stream)
+            check_indices=check_indices, stream=stream)
     k = (_rope_key("apply_rope_with_cos_sin_cache", (positions, query, key, cos_sin_cache,
                                                      query_out, key_out), head_size, is_neox, 0,
-                   False) if stream is None else None)
+                   False) if stream is None and check_indices is False else None)
     if k is not None and (hit := L.replay(k)) is not None:
         return L.fill(hit, query_out, key_out)
     op = "loomnb.apply_rope_with_cos_sin_cache"
@@ -471,6 +506,7 @@ def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cach
     kov = _heads(op, "key_out", ko, p.shape, D, "key's shape")
     C.no_overlap(op, {"query_out": qov, "key_out": kov},
                  {"query": qv, "key": kv, "positions": pv, "cos_sin_cache": cs}, interleaved=True)
+    _check_indices(op, check_indices, p, cs, stream=stream)
     spec = RopeCacheSpec(q.kind, cs.kind, True, is_neox, False, FORMS[("vllm", False)], out=True)
     _launch(op, spec, pv, qv, kv, None, cs, None, None, None, None, None, pv.shape[0], off,
             rot_dim, D, stream, k, qov, kov)
@@ -478,9 +514,9 @@ def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cach
 
 
 def _cache_op(op, tag, legacy, key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-              k_scale, v_scale, stream):
+              k_scale, v_scale, check_indices, stream):
     k = (L.key(tag, (kv_cache_dtype,), key, value, key_cache, value_cache, slot_mapping, k_scale,
-               v_scale) if stream is None else None)
+               v_scale) if stream is None and check_indices is False else None)
     if k is not None and L.replay(k) is not None:
         return key_cache, value_cache
     kv, vv, kc, vc, kcv, vcv, s, ks, vs, kvd = _kv_inputs(
@@ -489,6 +525,7 @@ def _cache_op(op, tag, legacy, key, value, key_cache, value_cache, slot_mapping,
     C.no_overlap(op, {"key_cache": kcv, "value_cache": vcv},
                  {"key": kv, "value": vv, "slot_mapping": s, "k_scale": ks, "v_scale": vs},
                  interleaved=True)
+    _check_indices(op, check_indices, slots=s, key_cache=kcv, stream=stream)
     spec = RopeCacheSpec(kv.kind, kv.kind, False, True, False, "nn",
                          "legacy" if legacy else "flash", kvd)
     _launch(op, spec, None, None, kv, vv, None, s, kcv, vcv, ks, vs, s.shape[0], 0, 0,
@@ -497,10 +534,10 @@ def _cache_op(op, tag, legacy, key, value, key_cache, value_cache, slot_mapping,
 
 
 @torch_op("Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-          "Tensor slot_mapping, str kv_cache_dtype, Tensor? k_scale, Tensor? v_scale",
-          returns=("key_cache", "value_cache"))
+          "Tensor slot_mapping, str kv_cache_dtype, Tensor? k_scale, Tensor? v_scale, *, "
+          "bool check_indices=False", returns=("key_cache", "value_cache"))
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                            k_scale, v_scale, *, stream=None):
+                            k_scale, v_scale, *, check_indices=False, stream=None):
     """Write each token's key and value to its cache slot (vLLM's flash layouts).
 
     For ``t < num_tokens = slot_mapping.shape[0]`` with ``slot = slot_mapping[t] >= 0``,
@@ -514,24 +551,37 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     scale. A negative slot (padding, ``PAD_SLOT_ID = -1``) writes nothing.
 
     Args:
-        key, value: ``[num_tokens_padded, num_kv_heads, head_size]`` bf16/fp16/fp32, last
-            dimension contiguous, any token/head strides; may carry more tokens than
+        key, value: ``[num_tokens_padded, num_kv_heads, head_size]`` bf16/fp16/fp32 of the
+            same shape (``value`` may also be ``[num_tokens_padded, num_kv_heads * head_size]``),
+            last dimension contiguous, any token/head strides; may carry more tokens than
             ``slot_mapping`` (CUDA-graph padding), which are ignored.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]`` views
             with any strides and a contiguous last dimension: NHD, HND, interleaved or split
             (``loomnb.layouts.kv_views``). dtype: key's for ``"auto"``, else ``uint8`` or
             ``float8_e4m3fn`` / ``float8_e5m2``.
-        slot_mapping: int64 ``[num_tokens]``; slots below ``num_blocks * block_size`` (not
-            checked: a device read).
+        slot_mapping: int64 ``[num_tokens]``, ``num_tokens <= num_tokens_padded``; each -1
+            (padding) or below ``num_blocks * block_size``. Out-of-range slots are unchecked
+            device writes unless ``check_indices=True``.
         kv_cache_dtype: ``"auto"``, ``"fp8"`` (= ``"fp8_e4m3"``), ``"fp8_e4m3"``, ``"fp8_e5m2"``.
         k_scale, v_scale: float32 device arrays of shape ``[1]`` or ``[num_kv_heads]``; ignored
             (may be None) for ``"auto"``. Not range-checked (a device read): a zero scale
             saturates, as vLLM.
+        check_indices: opt-in check that every slot is -1 (``PAD_SLOT_ID``) or in ``[0,
+            num_blocks * block_size)`` -- other negative slots, which the kernel skips as
+            padding too, are flagged as likely bugs -- with no host synchronisation: on torch
+            tensors an asynchronous device-side assert queued before the kernel (when it fires,
+            the CUDA context ends and the kernel does not run: a debugging aid, not control
+            flow); under the simulator a ``LoomnbValueError`` before the launch. Off by
+            default, as vLLM never checks; a checked call skips the eager fast path.
         stream: CUDA stream; default the caller's current stream.
 
     Returns ``(key_cache, value_cache)``. Mutates: ``key_cache`` and ``value_cache`` (the slots
     of ``slot_mapping`` only). Raises ``LoomnbTypeError`` / ``LoomnbValueError`` before any
-    launch; zero tokens is a no-op.
+    launch and with nothing written, naming the argument, expected and received -- for a wrong
+    dtype, layout or device, and for every pair of dimensions the kernel relies on that
+    disagree (``key`` and ``value`` tokens, heads or head_size; ``slot_mapping`` longer than
+    the tokens; the caches' heads, head_size or shape; a scale's length); zero tokens is a
+    no-op.
 
     Matches vLLM ``torch.ops._C_cache_ops.reshape_and_cache_flash(key, value, key_cache,
     value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)``; loomnb also accepts a
@@ -541,17 +591,17 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
         return reshape_and_cache_flash.traced(
             key=key, value=value, key_cache=key_cache, value_cache=value_cache,
             slot_mapping=slot_mapping, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
-            v_scale=v_scale, stream=stream)
+            v_scale=v_scale, check_indices=check_indices, stream=stream)
     return _cache_op("loomnb.reshape_and_cache_flash", "reshape_and_cache_flash", False, key,
                      value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale,
-                     v_scale, stream)
+                     v_scale, check_indices, stream)
 
 
 @torch_op("Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-          "Tensor slot_mapping, str kv_cache_dtype, Tensor? k_scale, Tensor? v_scale",
-          returns=("key_cache", "value_cache"))
+          "Tensor slot_mapping, str kv_cache_dtype, Tensor? k_scale, Tensor? v_scale, *, "
+          "bool check_indices=False", returns=("key_cache", "value_cache"))
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale,
-                      v_scale, *, stream=None):
+                      v_scale, *, check_indices=False, stream=None):
     """:func:`reshape_and_cache_flash` for the legacy paged-attention layout: ``key_cache
     [num_blocks, num_kv_heads, head_size // x, block_size, x]`` (``x = 16 // cache element
     size``: 8 for bf16/fp16, 16 for FP8, 4 for fp32) and ``value_cache [num_blocks,
@@ -560,28 +610,29 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
         key_cache[block, h, d // x, offset, d % x] = cv(key[t, h, d], k_scale[h])
         value_cache[block, h, d, offset]           = cv(value[t, h, d], v_scale[h])
 
-    Arguments, conversion, returns, mutation and errors as :func:`reshape_and_cache_flash`.
+    Arguments (``check_indices`` included: the slots of ``num_blocks * block_size``),
+    conversion, returns, mutation and errors as :func:`reshape_and_cache_flash`.
     Matches vLLM ``torch.ops._C_cache_ops.reshape_and_cache`` (which assumes contiguous caches).
     """
     if ad.is_compiling():
         return reshape_and_cache.traced(
             key=key, value=value, key_cache=key_cache, value_cache=value_cache,
             slot_mapping=slot_mapping, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
-            v_scale=v_scale, stream=stream)
+            v_scale=v_scale, check_indices=check_indices, stream=stream)
     return _cache_op("loomnb.reshape_and_cache", "reshape_and_cache", True, key, value,
                      key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
-                     stream)
+                     check_indices, stream)
 
 
 @torch_op("Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor value, "
           "Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, int head_size, "
           "Tensor cos_sin_cache, bool is_neox, str kv_cache_dtype='auto', Tensor? k_scale=None, "
-          "Tensor? v_scale=None, *, int rope_dim_offset=0",
+          "Tensor? v_scale=None, *, int rope_dim_offset=0, bool check_indices=False",
           returns=("query", "key", "key_cache", "value_cache"))
 def rotary_embedding_and_cache(positions, query, key, value, key_cache, value_cache,
                                slot_mapping, head_size, cos_sin_cache, is_neox,
                                kv_cache_dtype="auto", k_scale=None, v_scale=None, *,
-                               rope_dim_offset=0, stream=None):
+                               rope_dim_offset=0, check_indices=False, stream=None):
     """:func:`rotary_embedding` of ``query`` and ``key`` then the cache write of the rotated
     key and ``value`` (:func:`reshape_and_cache_flash`, or :func:`reshape_and_cache` when
     ``key_cache`` is the 5-D legacy key), in **one launch**; bit-identical to the two ops in
@@ -593,7 +644,10 @@ def rotary_embedding_and_cache(positions, query, key, value, key_cache, value_ca
 
     Args: as the two ops; ``value`` is ``[num_tokens, num_kv_heads * head_size]`` or
     ``[num_tokens, num_kv_heads, head_size]``; ``cos_sin_cache`` has the query's dtype (vLLM's
-    rotary layer casts it so); ``rope_dim_offset`` keyword-only.
+    rotary layer casts it so); ``rope_dim_offset`` keyword-only; ``check_indices=True`` checks
+    both ``positions`` (as :func:`rotary_embedding`) and ``slot_mapping`` (as
+    :func:`reshape_and_cache_flash`) without a host sync -- off by default: out-of-range
+    positions and slots are unchecked device reads and writes.
 
     Returns ``(query, key, key_cache, value_cache)``. Mutates: ``query``, ``key`` (rotated) and
     the caches (the slots of ``slot_mapping``). Raises as the two ops, before any launch.
@@ -606,11 +660,12 @@ def rotary_embedding_and_cache(positions, query, key, value, key_cache, value_ca
             positions=positions, query=query, key=key, value=value, key_cache=key_cache,
             value_cache=value_cache, slot_mapping=slot_mapping, head_size=head_size,
             cos_sin_cache=cos_sin_cache, is_neox=is_neox, kv_cache_dtype=kv_cache_dtype,
-            k_scale=k_scale, v_scale=v_scale, rope_dim_offset=rope_dim_offset, stream=stream)
+            k_scale=k_scale, v_scale=v_scale, rope_dim_offset=rope_dim_offset,
+            check_indices=check_indices, stream=stream)
     k = (_rope_key("rotary_embedding_and_cache",
                    (positions, query, key, value, key_cache, value_cache, slot_mapping,
                     cos_sin_cache, k_scale, v_scale), head_size, is_neox, rope_dim_offset, False,
-                   kv_cache_dtype) if stream is None else None)
+                   kv_cache_dtype) if stream is None and check_indices is False else None)
     if k is not None and L.replay(k) is not None:
         return query, key, key_cache, value_cache
     op = "loomnb.rotary_embedding_and_cache"
@@ -631,11 +686,12 @@ def rotary_embedding_and_cache(positions, query, key, value, key_cache, value_ca
     check_same_device(op, "value", v, "key", q)
     _, vv, kc, vc, kcv, vcv, s, ks, vs, kvd = _kv_inputs(
         op, key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
-        legacy=legacy, like=q, kview=kv, vview=vv)
+        legacy=legacy, like=q, kview=kv, vview=vv, value_shape=list(v.shape))
     C.writable(op, {"query": qv, "key": kv})
     C.no_overlap(op, {"query": qv, "key": kv, "key_cache": kcv, "value_cache": vcv},
                  {"positions": pv, "value": vv, "cos_sin_cache": cs, "slot_mapping": s,
                   "k_scale": ks, "v_scale": vs}, interleaved=True)
+    _check_indices(op, check_indices, p, cs, s, kcv, stream)
     spec = RopeCacheSpec(q.kind, cs.kind, True, is_neox, False, FORMS[("vllm", False)],
                          "legacy" if legacy else "flash", kvd)
     _launch(op, spec, pv, qv, kv, vv, cs, s, kcv, vcv, ks, vs, pv.shape[0], off, rot_dim, D,

@@ -16,7 +16,8 @@ With ``f`` = widen to float32 and ``r`` = round to the activation dtype (:func:`
 ``form=`` (oracle only) takes any of the nine two-letter forms (``"ae"``, ``"bd"``, ``"nn"``...)
 so a GPU run can ask which one vLLM's compiled op computes. Arguments are NumPy arrays (bf16 as
 ``ml_dtypes.bfloat16``, FP8 caches as ``uint8`` or ml_dtypes FP8) and are mutated in place like
-the ops'; ``stream`` is accepted and ignored.
+the ops'; ``stream`` and ``check_indices`` are accepted and ignored (the ops' device-side
+index checks; the references index on the host).
 """
 
 import numpy as np
@@ -45,7 +46,7 @@ def rotate(x, y, c, s, form):
 
 
 def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, rope_dim_offset=0,
-                     inverse=False, *, fma="vllm", form=None, stream=None):
+                     inverse=False, *, fma="vllm", form=None, check_indices=False, stream=None):
     """Reference ``rotary_embedding``: rotates ``query`` (and ``key``) in place; returns them."""
     form = form or _FORMS[(fma, inverse)]
     pos = np.asarray(positions).reshape(-1)
@@ -61,6 +62,8 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, r
         if arr is None:
             continue
         a = np.asarray(arr)
+        if a.size == 0:
+            continue
         work = a.reshape(T, -1, head_size).astype(np.float32)
         if is_neox:
             xi, yi = off + np.arange(e), off + e + np.arange(e)
@@ -75,7 +78,8 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, r
 
 
 def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cache, is_neox=True,
-                                  *, query_out=None, key_out=None, stream=None):
+                                  *, query_out=None, key_out=None, check_indices=False,
+                                  stream=None):
     """Reference out-of-place RoPE: ``rotary_embedding`` of copies (``fma="vllm"``), written to
     ``query_out``/``key_out`` (new arrays when None); ``query`` and ``key`` are not modified."""
     q, k = np.array(query, copy=True), np.array(key, copy=True)
@@ -111,7 +115,7 @@ def _write(cache, blk, off, codes, kvd):
 
 
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                            k_scale, v_scale, *, stream=None):
+                            k_scale, v_scale, *, check_indices=False, stream=None):
     """Reference ``reshape_and_cache_flash`` (caches ``[NB, B, Hk, D]`` views): mutates them."""
     kvd = _KV[kv_cache_dtype]
     slots = np.asarray(slot_mapping)
@@ -134,7 +138,7 @@ def _legacy_views(key_cache, value_cache):
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale,
-                      v_scale, *, stream=None):
+                      v_scale, *, check_indices=False, stream=None):
     """Reference ``reshape_and_cache`` (legacy x-packed key, transposed value): mutates them."""
     kvd = _KV[kv_cache_dtype]
     kview, vview = _legacy_views(key_cache, value_cache)
@@ -155,11 +159,13 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
 def rotary_embedding_and_cache(positions, query, key, value, key_cache, value_cache,
                                slot_mapping, head_size, cos_sin_cache, is_neox,
                                kv_cache_dtype="auto", k_scale=None, v_scale=None, *,
-                               rope_dim_offset=0, form=None, stream=None):
+                               rope_dim_offset=0, form=None, check_indices=False, stream=None):
     """Reference fused op: ``rotary_embedding`` then the cache write of the rotated key."""
     rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, rope_dim_offset,
                      form=form)
     T = np.asarray(positions).size
+    if np.asarray(key).size == 0:  # no token, head or channel: nothing to write
+        return query, key, key_cache, value_cache
     k3 = np.asarray(key).reshape(T, -1, head_size)
     v3 = np.asarray(value).reshape(T, -1, head_size)
     write = reshape_and_cache if np.asarray(key_cache).ndim == 5 else reshape_and_cache_flash
