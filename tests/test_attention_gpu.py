@@ -294,6 +294,64 @@ def test_explicit_stream_and_torch_compile():
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
 
 
+@pytest.mark.parametrize("seq_lens, window", [([30, 5, 0], None), ([3000, 20], None), ([700, 9], 100)])
+def test_check_indices_on_valid_indices_same_result_no_sync_no_replay(seq_lens, window):
+    """check_indices=True on a valid batch (stale garbage past each seq_len, -7 and 2**30; with
+    a window, a bad block before it): the same bits as the unchecked call (split-K included),
+    no host synchronisation (torch's sync debug mode raises on one), never remembered for
+    replay, and inside torch.compile too."""
+    case = make_case(17, seq_lens=seq_lens, num_heads=8, num_kv_heads=2, head_size=64)
+    if window:
+        case["block_tables"][0, 0] = -3  # tokens 0-15 of 700: outside the window of 100
+    t = to_torch(case)
+    opts = {} if window is None else {"sliding_window": window}
+    want = run(t, return_lse=True, **opts)
+    loomnb.ops.clear_launch_cache()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = [run(t, return_lse=True, check_indices=True, **opts) for _ in range(2)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert loomnb.ops.launch_cache_info()["size"] == 0, "a checked call is never remembered"
+    for o, l_ in got:
+        assert torch.equal(o, want[0]) and torch.equal(l_, want[1])
+    args, kw = op_args(t, check_indices=True, **opts)
+    compiled = torch.compile(lambda *a: loomnb.paged_decode_attention(*a, **kw))(*args)
+    assert torch.equal(compiled, want[0])
+
+
+BAD_DECODE = {
+    "block past the cache": ("[[0, 5]]", "[6]"),   # tokens 4-5 read column 1: block 5 of 2
+    "negative block": ("[[-1, 1]]", "[2]"),
+    "seq_len past the table": ("[[0, 1]]", "[9]"),  # 2 columns of 4 tokens
+    "negative seq_len": ("[[0, 1]]", "[-1]"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DECODE))
+def test_check_indices_fires_the_device_assert_on_a_bad_index(case):
+    """An out-of-range block number in a column a sequence reads, or a seq_len outside the
+    table, with check_indices=True: a device-side assert at the next synchronisation (in a
+    subprocess: it ends the CUDA context)."""
+    import subprocess
+    import sys
+    bt, sl = BAD_DECODE[case]
+    code = ("import torch, loomnb\n"
+            "q = torch.ones(1, 2, 16, dtype=torch.bfloat16, device='cuda')\n"
+            "kv = torch.ones(2, 2, 4, 1, 16, dtype=torch.bfloat16, device='cuda')\n"
+            f"bt = torch.tensor({bt}, dtype=torch.int32, device='cuda')\n"
+            f"sl = torch.tensor({sl}, dtype=torch.int32, device='cuda')\n"
+            "loomnb.paged_decode_attention(q, kv[:, 0], kv[:, 1], bt, sl, 0.25, check_indices=True)\n"
+            "torch.cuda.synchronize()\n"
+            "print('NO ASSERT')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = res.stderr + res.stdout
+    assert res.returncode != 0 and "NO ASSERT" not in out, out[-2000:]
+    assert "assert" in out.lower(), out[-2000:]
+
+
 def test_new_batch_or_context_does_not_recompile():
     t = to_torch(make_case(16, seq_lens=[50, 3], num_heads=9, num_kv_heads=3, head_size=64))
     run(t)

@@ -335,3 +335,42 @@ def test_unpack_e4m3x2_portable_all_pairs():
             a, b = unpack_e4m3x2(lo | (hi << 8))
             for got, want in ((a, ref[lo]), (b, ref[hi])):
                 assert (np.isnan(got) and np.isnan(want)) or np.float32(got).view(np.uint32) == want.view(np.uint32)
+
+
+# ---------------------------------------------------------------- check_indices (issue 23)
+@pytest.mark.parametrize("window", [None, 6])
+def test_check_indices_checks_only_the_blocks_a_sequence_reads(window):
+    """check_indices=True on a valid batch whose block tables hold stale garbage past each
+    seq_len (-7, 2**30) and, with a sliding window, a bad block before the window: none of
+    them is read, none is flagged, and the result is bit-equal to the unchecked call; an
+    out-of-range block in a column the sequence reads is refused before the launch."""
+    case = make_case(77, seq_lens=[13, 3, 0], num_heads=2, num_kv_heads=1, head_size=16,
+                     block_size=4)
+    if window:
+        case["block_tables"][0, 0] = -5  # tokens 0-3 of a 13-token sequence: outside a window of 6
+    opts = {} if window is None else {"sliding_window": window}
+    plain = run(case, return_lse=True, **opts)
+    checked = run(case, return_lse=True, check_indices=True, **opts)
+    for g, w in zip(checked, plain):
+        assert_bits(g, w, "checked vs unchecked")
+    o, l_, vmax = exact(case, **opts)
+    assert_attention(plain[0], o, vmax, "bf16", "vs the oracle", plain[1], l_)
+    bt = case["block_tables"].copy()
+    bt[0, 2] = case["key_cache"].shape[0]  # block 2 holds tokens 8-11: read in both cases
+    case["block_tables"] = bt
+    with pytest.raises(loomnb.LoomnbValueError, match=r"'block_tables' must be in \[0, \d+\] .*"
+                       r"\(check_indices=True\); got \d+ at index \[0, 2\]"):
+        run(case, check_indices=True, **opts)
+
+
+def test_check_indices_seq_len_at_the_table_capacity_is_valid():
+    """seq_len = max_blocks * block_size (every column read) passes; one more is flagged
+    (unchecked, the kernel clamps it)."""
+    case = make_case(78, seq_lens=[8], num_heads=1, num_kv_heads=1, head_size=16, block_size=4,
+                     extra_cols=0)
+    assert case["block_tables"].shape == (1, 2)
+    run(case, check_indices=True)
+    case["seq_lens"] = np.array([9], np.int32)
+    run(case)
+    with pytest.raises(loomnb.LoomnbValueError, match=r"'seq_lens' must be in \[0, 8\]"):
+        run(case, check_indices=True)

@@ -36,8 +36,9 @@ from ..checks import (check_kind, check_ndim, check_same_device, check_shape, fa
 from . import _contract as C
 from . import _launch as L
 from ._attention_kernels import (EPL_VEC, ESIZE, LANES, LOG2E, MAX_GC, SCALAR_LANES, DecodeSpec,
-                                 MergeSpec, decode_kernel, head_chunks, lanes_for,
-                                 merge_states_kernel, split_merge_kernel, tokens_per_tile)
+                                 MergeSpec, decode_argtypes, decode_kernel, head_chunks, lanes_for,
+                                 merge_argtypes, merge_states_kernel, split_merge_kernel,
+                                 tokens_per_tile)
 from ._torch_ops import torch_op
 
 __all__ = ["paged_decode_attention", "merge_attn_states"]
@@ -104,6 +105,29 @@ def heads_per_cta(group, num_seqs, num_kv_heads, context, head_size, sms=DEFAULT
     return MAX_GC
 
 
+def _decode_siblings(spec, group, head_size):
+    """The decode variants another batch size or context of the same call could pick -- heads
+    a CTA (:func:`heads_per_cta`: 1, 2 or up to ``MAX_GC``), the vector path's lanes and tile
+    (:func:`vector_config` below and past a full wave) -- and the split merge that long
+    contexts add, compiled with the first (``_launch.launch(warm=)``). None under the tuning
+    knobs."""
+    if TOKENS_PER_TILE or ELEMENTS_PER_LANE or MAX_HEADS_PER_CTA:
+        return []
+    specs = set()
+    for max_gc in (1, 2, MAX_GC):
+        gch = head_chunks(group, max_gc)[1]
+        if spec.path == "scalar":
+            specs.add(DecodeSpec(spec.kind, spec.cache, "scalar", SCALAR_LANES, gch))
+            continue
+        for ctas in (1, 1 << 30):
+            epl, tt = vector_config(spec.cache, head_size, ctas)
+            specs.add(DecodeSpec(spec.kind, spec.cache, "vec", lanes_for(head_size, epl), gch,
+                                 tt, epl))
+    merge = MergeSpec(spec.kind)
+    return ([(decode_kernel, s, decode_argtypes(s)) for s in sorted(specs, key=str) if s != spec]
+            + [(split_merge_kernel, merge, merge_argtypes(merge))])
+
+
 def vector_config(cache, head_size, ctas, sms=DEFAULT_SMS):
     """``(elements per lane, tokens per tile)`` of the vector path, from a launch-config sweep
     on the H200 (``bench_decode_attention.py --tune``, 2026-11-30; graph replay, 32 sequences
@@ -156,9 +180,9 @@ def _cache_strides(op, name, a, num_kv_heads_of, head_size, x):
     if a.ndim == 5:
         nb, hk, dx, bs, xx = a.shape
         if xx != x:
-            fail_value(op, name, f"the x-packed key [num_blocks, num_kv_heads, head_size // x, "
-                       f"block_size, x] with x = {x} (16 bytes of the cache dtype)",
-                       f"shape {list(a.shape)}")
+            fail_value(op, name, f"of shape [num_blocks, num_kv_heads, head_size // x, "
+                       f"block_size, x] with x = {x} (the x-packed key: 16 bytes of the cache "
+                       "dtype)", f"shape {list(a.shape)}")
         s0, s1, s2, s3, s4 = a.strides
         shape, strides = (nb, bs, hk, dx * xx), (s0, s3, s1, s2, s4, x.bit_length() - 1)
     else:
@@ -185,7 +209,7 @@ def _vectorizable(a, strides, shape, esize):
     return inner_ok and all(n <= 1 or (st * esize) % 16 == 0 for n, st in dims)
 
 
-def _check_index(op, name, a, ndim, dims):
+def _check_index(op, name, a, ndim):
     if a.kind != "i32":
         fail_type(op, name, "of dtype int32 (vLLM's index dtype; not cast)", f"dtype {a.dtype_name}")
     check_ndim(op, name, a, ndim)
@@ -205,19 +229,21 @@ def _scale(op, name, obj, like, num_kv_heads):
 class _Decode:
     """The checked arguments of one paged_decode_attention call."""
     __slots__ = ("q", "k", "v", "bt", "sl", "ks", "vs", "kshape", "kstr", "kext", "vstr", "vext",
-                 "num_seqs", "num_heads", "head_size", "num_kv_heads", "block_size", "fp8",
-                 "cache_kind")
+                 "num_seqs", "num_heads", "head_size", "num_kv_heads", "block_size", "num_blocks",
+                 "fp8", "cache_kind")
 
 
 def _check_decode(op, query, key_cache, value_cache, block_tables, seq_lens, scale, softcap,
-                  sliding_window, kv_cache_dtype, k_scale, v_scale, return_lse, max_seq_len):
+                  sliding_window, kv_cache_dtype, k_scale, v_scale, return_lse, max_seq_len,
+                  check_indices=False):
     a = _Decode()
     q = a.q = ad.wrap(op, "query", query)
     check_kind(op, "query", q, ACTIVATION_KINDS)
     check_ndim(op, "query", q, 3)
     a.num_seqs, a.num_heads, a.head_size = q.shape
     if not 1 <= a.head_size <= MAX_HEAD_SIZE:
-        fail_value(op, "query", f"of head_size 1 .. {MAX_HEAD_SIZE}", f"shape {list(q.shape)}")
+        fail_value(op, "query", f"of shape [num_seqs, num_heads, head_size] with head_size in "
+                   f"[1, {MAX_HEAD_SIZE}]", f"shape {list(q.shape)}")
     C.choice(op, "kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
     if kv_cache_dtype == "fp8_e5m2":
         fail_value(op, "kv_cache_dtype", "'auto', 'fp8' or 'fp8_e4m3' (E5M2 caches are not "
@@ -244,23 +270,32 @@ def _check_decode(op, query, key_cache, value_cache, block_tables, seq_lens, sca
     x = 16 // esize
     vshape, a.vstr, a.vext = _cache_strides(op, "value_cache", v, None, a.head_size, x)
     a.kshape, a.kstr, a.kext = _cache_strides(op, "key_cache", k, None, a.head_size, x)
-    num_blocks, a.block_size, a.num_kv_heads, hs = vshape
+    a.num_blocks, a.block_size, a.num_kv_heads, hs = vshape
+    logical = "[num_blocks, block_size, num_kv_heads, head_size]"
     if hs != a.head_size:
-        fail_value(op, "value_cache", f"of head_size {a.head_size} (the query's)",
-                   f"shape {list(v.shape)}")
+        fail_value(op, "value_cache", f"of logical shape [num_blocks, block_size, num_kv_heads, "
+                   f"{a.head_size}] (head_size {a.head_size} from 'query')",
+                   f"shape {list(v.shape)} (head_size {hs})")
     if a.kshape != vshape:
-        fail_value(op, "key_cache", f"the logical shape of 'value_cache' {list(vshape)} "
-                   "([num_blocks, block_size, num_kv_heads, head_size])",
+        fail_value(op, "key_cache", f"of logical shape {list(vshape)} like 'value_cache' "
+                   f"({logical})",
                    f"shape {list(k.shape)}" + (f" (logical {list(a.kshape)})" if k.ndim == 5 else ""))
-    if a.block_size < 1 or a.num_kv_heads < 1 or a.num_heads % a.num_kv_heads:
-        fail_value(op, "value_cache", f"num_kv_heads >= 1 dividing num_heads = {a.num_heads} and "
-                   "block_size >= 1", f"block_size {a.block_size}, num_kv_heads {a.num_kv_heads}")
-    bt = a.bt = _check_index(op, "block_tables", ad.wrap(op, "block_tables", block_tables), 2,
-                             "[num_seqs, max_blocks]")
+    if a.block_size < 1:
+        fail_value(op, "value_cache", f"of logical shape {logical} with block_size >= 1",
+                   f"shape {list(v.shape)} (block_size {a.block_size})")
+    if a.num_kv_heads < 1:
+        fail_value(op, "value_cache", f"of logical shape {logical} with num_kv_heads >= 1",
+                   f"shape {list(v.shape)} (num_kv_heads {a.num_kv_heads})")
+    if a.num_heads % a.num_kv_heads:
+        fail_value(op, "query", f"of shape [num_seqs, num_heads, head_size] with num_heads a "
+                   f"multiple of num_kv_heads = {a.num_kv_heads} (from 'value_cache'; each KV head "
+                   "serves num_heads // num_kv_heads query heads)", f"num_heads {a.num_heads}")
+    bt = a.bt = _check_index(op, "block_tables", ad.wrap(op, "block_tables", block_tables), 2)
     if bt.shape[0] != a.num_seqs:
-        check_shape(op, "block_tables", bt, (a.num_seqs, bt.shape[1]), "[num_seqs, max_blocks]")
-    sl = a.sl = _check_index(op, "seq_lens", ad.wrap(op, "seq_lens", seq_lens), 1, "[num_seqs]")
-    check_shape(op, "seq_lens", sl, (a.num_seqs,), "[num_seqs]")
+        check_shape(op, "block_tables", bt, (a.num_seqs, bt.shape[1]),
+                    "[num_seqs, max_blocks], num_seqs from 'query'")
+    sl = a.sl = _check_index(op, "seq_lens", ad.wrap(op, "seq_lens", seq_lens), 1)
+    check_shape(op, "seq_lens", sl, (a.num_seqs,), "[num_seqs], num_seqs from 'query'")
     for name, arr in (("block_tables", bt), ("seq_lens", sl)):
         check_same_device(op, name, arr, "query", q)
     C.real(op, "scale", scale)
@@ -275,8 +310,9 @@ def _check_decode(op, query, key_cache, value_cache, block_tables, seq_lens, sca
                                     or not isinstance(max_seq_len, numbers.Integral)
                                     or max_seq_len < 0):
         fail_value(op, "max_seq_len", "None or an int >= 0", repr(max_seq_len))
-    if not isinstance(return_lse, bool):
-        fail_type(op, "return_lse", "a bool", repr(return_lse))
+    for name, flag in (("return_lse", return_lse), ("check_indices", check_indices)):
+        if not isinstance(flag, bool):
+            fail_type(op, name, "a bool", repr(flag))
     a.ks = _scale(op, "k_scale", k_scale, q, a.num_kv_heads) if k_scale is not None else None
     a.vs = _scale(op, "v_scale", v_scale, q, a.num_kv_heads) if v_scale is not None else None
     if a.fp8 and (a.ks is None or a.vs is None):
@@ -284,6 +320,29 @@ def _check_decode(op, query, key_cache, value_cache, block_tables, seq_lens, sca
                    f"a float32 device array ([1] or [num_kv_heads]) with kv_cache_dtype="
                    f"{kv_cache_dtype!r}", "None")
     return a
+
+
+def _check_indices(op, a, sliding_window, stream):
+    """The opt-in ``check_indices=True``: ``seq_lens`` in ``[0, max_blocks * block_size]`` and,
+    for every block a sequence reads -- columns ``[start // block_size, cdiv(L, block_size))``
+    of its row, ``L`` its seq_len clamped as the kernel does, ``start = max(0, L - W)`` with a
+    sliding window ``W`` -- a block number in ``[0, num_blocks)``; the stale entries past them
+    are never read and not checked. No host sync (:func:`loomnb.ops._contract.assert_in_range`)."""
+    B, nb = a.block_size, a.num_blocks
+    cap = a.bt.shape[1] * B
+    C.assert_in_range(op, "seq_lens", a.sl, 0, cap,
+                      meaning=f"(max_blocks * block_size = {a.bt.shape[1]} * {B})", stream=stream)
+    W = sliding_window or 0
+
+    def read(xp, bt, sl):
+        L = sl.clip(0, min(cap, 2 ** 31 - 1))
+        col = xp.ones_like(bt).cumsum(-1) - 1
+        first = (L - W).clip(0, None) // B if W else L * 0
+        return (col >= first[:, None]) & (col < ((L + (B - 1)) // B)[:, None])
+
+    C.assert_in_range(op, "block_tables", a.bt, 0, nb - 1, where=read, given=(a.sl,),
+                      meaning=f"(num_blocks = {nb}) in the columns each sequence's seq_len "
+                      "reads", stream=stream)
 
 
 def layout(query, key_cache, value_cache, kv_cache_dtype="auto"):
@@ -315,11 +374,12 @@ def _eager_with_lse(**kw):
 @torch_op("Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
           "Tensor seq_lens, float scale, *, float? softcap=None, int? sliding_window=None, "
           "str kv_cache_dtype='auto', Tensor? k_scale=None, Tensor? v_scale=None, "
-          "int? max_seq_len=None", outputs=("out", "lse"), fake=_fake_decode, eager=_eager_with_lse)
+          "int? max_seq_len=None, bool check_indices=False", outputs=("out", "lse"),
+          fake=_fake_decode, eager=_eager_with_lse)
 def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, *,
                            softcap=None, sliding_window=None, kv_cache_dtype="auto", k_scale=None,
                            v_scale=None, out=None, return_lse=False, max_seq_len=None, lse=None,
-                           stream=None):
+                           check_indices=False, stream=None):
     """Decode attention of one query token per sequence over its paged KV cache (MQA/GQA).
 
     For sequence ``s`` (``L = seq_lens[s]`` tokens, the new one included) and query head ``h``
@@ -346,9 +406,11 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens
             strided views (module docstring), non-negative strides; ``key_cache`` may be vLLM's
             5-D x-packed key. The query's dtype, or ``float8_e4m3fn``/``uint8`` E4M3 codes
             with an FP8 ``kv_cache_dtype``. ``num_heads % num_kv_heads == 0``.
-        block_tables: int32 ``[num_seqs, max_blocks]``. seq_lens: int32 ``[num_seqs]``; a value
-            outside ``[0, max_blocks * block_size]`` is clamped into it on the device (so no
-            read leaves ``block_tables``); block numbers are not checked (a device read).
+        block_tables: int32 ``[num_seqs, max_blocks]``; the entries a sequence reads must be
+            in ``[0, num_blocks)``: unchecked device reads unless ``check_indices=True``.
+        seq_lens: int32 ``[num_seqs]``; a value outside ``[0, max_blocks * block_size]`` is
+            clamped into it on the device (so no read leaves ``block_tables``), and flagged by
+            ``check_indices=True``.
         scale: the softmax scale (usually ``head_size ** -0.5``), a finite real.
         softcap: None or 0 (off), or ``cap > 0``: logits ``cap * tanh(z / cap)``.
         sliding_window: None, or ``W >= 1``: the last ``W`` tokens only -- vLLM's FlashAttention
@@ -366,12 +428,22 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens
             splits, :func:`num_splits`, and the heads a CTA, :func:`heads_per_cta`; default
             ``max_blocks * block_size``); a wrong bound is slower, never wrong.
         lse: optional float32 ``[num_heads, num_seqs]`` output; implies ``return_lse``.
+        check_indices: opt-in check, with no host synchronisation, that every ``seq_lens``
+            entry is in ``[0, max_blocks * block_size]`` and every block number a sequence
+            reads (columns ``[start // block_size, cdiv(L, block_size))`` of its row; stale
+            entries past them are never read and not checked) is in ``[0, num_blocks)``. On
+            torch tensors: an asynchronous device-side assert queued before the kernel (when
+            it fires, the CUDA context ends and the kernel does not run: a debugging aid, not
+            control flow); under the simulator a ``LoomnbValueError`` before the launch. Off
+            by default, as vLLM never checks; a checked call skips the eager fast path.
         stream: CUDA stream; default the caller's current stream.
 
     Returns ``out``, or ``(out, lse)``. Mutates ``out`` and ``lse`` only. Empty batch: no launch.
 
     Raises ``LoomnbTypeError`` for a wrong dtype (index arrays are int32, never cast) and
-    ``LoomnbValueError`` for shapes, strides, devices, overlaps and options -- before any launch.
+    ``LoomnbValueError`` for shapes, strides, devices, overlaps and options -- before any launch,
+    naming the argument at fault (a ``num_heads`` that ``num_kv_heads`` does not divide is the
+    query's; a cache's shape, the cache's), what was expected and what came.
 
     Matches vLLM 0.24's FlashAttention decode (``flash_attn_varlen_func`` with ``seqused_k``,
     ``block_table``, ``window_size = (W - 1, 0)``, ``softcap``, ``return_softmax_lse``) and
@@ -385,20 +457,21 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens
             query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
             seq_lens=seq_lens, scale=scale, softcap=softcap, sliding_window=sliding_window,
             kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
-            max_seq_len=max_seq_len, out=out, lse=lse, stream=stream)
+            max_seq_len=max_seq_len, check_indices=check_indices, out=out, lse=lse, stream=stream)
         return (o, l_) if return_lse is True or lse is not None else o
     want_lse = return_lse is True or lse is not None
     tag = ("paged_decode_attention+lse" if want_lse else "paged_decode_attention") \
         if type(return_lse) is bool else None
     k = (L.key(tag, (scale, softcap, sliding_window, kv_cache_dtype, max_seq_len), query,
                key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale, out, lse)
-         if stream is None and tag is not None else None)
+         if stream is None and tag is not None and check_indices is False else None)
     if k is not None and (hit := L.replay(k)) is not None:
         o, l_ = L.fill(hit, out, lse if want_lse else 0)
         return (o, l_) if want_lse else o
     op = "loomnb.paged_decode_attention"
     a = _check_decode(op, query, key_cache, value_cache, block_tables, seq_lens, scale, softcap,
-                      sliding_window, kv_cache_dtype, k_scale, v_scale, return_lse, max_seq_len)
+                      sliding_window, kv_cache_dtype, k_scale, v_scale, return_lse, max_seq_len,
+                      check_indices)
     q = a.q
     S, Hq = a.num_seqs, a.num_heads
     oa = C.output(op, "out", out, like=q, kind=q.kind, shape=q.shape, like_name="query")
@@ -408,6 +481,8 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens
     C.no_overlap(op, {"out": oa, "lse": la},
                  {"query": q, "key_cache": a.k, "value_cache": a.v, "block_tables": a.bt,
                   "seq_lens": a.sl, "k_scale": a.ks, "v_scale": a.vs})
+    if check_indices:
+        _check_indices(op, a, sliding_window, stream)
     if S == 0 or Hq == 0:
         return (oa.obj, la.obj) if want_lse else oa.obj
     _launch_decode(op, a, oa, la, float(scale), softcap, sliding_window, max_seq_len, stream, k)
@@ -468,7 +543,7 @@ def _launch_decode(op, a, oa, la, scale, softcap, sliding_window, max_seq_len, s
                  L.f32(cap * LOG2E)])
     grid = S * P * Hk * NC
     L.launch(decode_kernel, spec, grid, threads, params, like=q, stream=stream, key=key,
-             part=(0, 2) if P > 1 else (0, 1))
+             part=(0, 2) if P > 1 else (0, 1), warm=lambda: _decode_siblings(spec, G, D))
     if P > 1:
         mspec = MergeSpec(q.kind)
         mthreads = L.forced_threads() or min(256, max(32, -(-D // 32) * 32))
@@ -497,7 +572,7 @@ def _check_states(op, output, prefix_output, prefix_lse, suffix_output, suffix_l
             continue
         a = ins[name] = ad.wrap(op, name, obj)
         check_kind(op, name, a, ("f32",))
-        check_shape(op, name, a, (H, N), "[num_heads, num_tokens]")
+        check_shape(op, name, a, (H, N), "[num_heads, num_tokens] from 'output'")
         check_same_device(op, name, a, "output", o)
     if ins["prefix_lse"] is None or ins["suffix_lse"] is None:
         fail_type(op, "prefix_lse" if ins["prefix_lse"] is None else "suffix_lse",

@@ -111,9 +111,10 @@ def decode_exact(query, key_cache, value_cache, block_tables, seq_lens, scale, *
 def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, *,
                            softcap=None, sliding_window=None, kv_cache_dtype="auto",
                            k_scale=None, v_scale=None, out=None, return_lse=False,
-                           max_seq_len=None, stream=None):
+                           max_seq_len=None, check_indices=False, stream=None):
     """Reference paged decode attention: ``out`` (query dtype), and ``lse`` (float32 ``[num_heads,
-    num_seqs]``) with ``return_lse``. ``max_seq_len`` (a launch hint of the op) is ignored."""
+    num_seqs]``) with ``return_lse``. ``max_seq_len`` (a launch hint of the op) and
+    ``check_indices`` (the op's device-side index check) are ignored."""
     o, lse, _ = decode_exact(query, key_cache, value_cache, block_tables, seq_lens, scale,
                              softcap=softcap, sliding_window=sliding_window,
                              kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
