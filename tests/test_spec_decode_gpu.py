@@ -116,6 +116,19 @@ def test_real_vocabularies(vocab, dtype, num_reqs, max_spec_len):
     check_fused(b, "vocab_size", vocab_size=vocab - 1000)
 
 
+@pytest.mark.parametrize("draft_kind, bonus_kind", [(np.int64, np.int64), (np.int32, np.int64),
+                                                     (np.int64, np.int32)])
+def test_int64_draft_and_bonus_ids(draft_kind, bonus_kind):
+    """int64 draft and bonus ids (what vLLM's own tests pass), int64 targets from torch.argmax:
+    both ops bit for bit against the oracle, across the ragged patterns of one batch."""
+    rng = np.random.default_rng(640)
+    b = make_batch(rng, ragged_counts(rng, 32, 8, "uniform"), 8, 49152)
+    b["draft_token_ids"] = b["draft_token_ids"].astype(draft_kind)
+    b["bonus_token_ids"] = b["bonus_token_ids"].astype(bonus_kind)
+    check_unfused(b, f"{draft_kind.__name__}/{bonus_kind.__name__}")
+    check_fused(b, f"{draft_kind.__name__}/{bonus_kind.__name__}")
+
+
 def test_argmax_rules_across_chunks():
     """Ties, NaN, +-inf, -0.0 placed in different chunks of split rows of 151,936 fp32."""
     V = 151936

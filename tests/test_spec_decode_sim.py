@@ -104,6 +104,38 @@ def test_int64_targets_are_compared_as_int64_and_stored_as_int32():
                                                                  np.array([[1]], np.int32), 2).tolist()
 
 
+@pytest.mark.parametrize("draft_kind, bonus_kind", [(np.int64, np.int64), (np.int32, np.int64),
+                                                     (np.int64, np.int32)])
+def test_int64_draft_and_bonus_ids_like_vllm(draft_kind, bonus_kind):
+    """vLLM's sampler takes token ids of any integer dtype (its tests pass int64): int32 or
+    int64 drafts and bonus ids, in both ops, give the oracle's bits and the int32 ids' result."""
+    rng = np.random.default_rng(64)
+    b = make_batch(rng, [3, 0, 2, 1], 3, 40)
+    want_rows = loomnb.rejection_greedy_sample(*_args(b, UNFUSED))
+    want_fused = loomnb.greedy_verify(*_args(b, FUSED))
+    b["draft_token_ids"] = b["draft_token_ids"].astype(draft_kind)
+    b["bonus_token_ids"] = b["bonus_token_ids"].astype(bonus_kind)
+    got, want, _, _ = call_both("rejection_greedy_sample", *_args(b, UNFUSED))
+    assert_bits(got, want, "rejection_greedy_sample vs oracle")
+    assert_bits(got, want_rows, "rejection_greedy_sample vs int32 ids")
+    got = _check_fused(b, "greedy_verify")
+    for g, w in zip(got, want_fused):
+        assert_bits(g, w, "greedy_verify vs int32 ids")
+
+
+def test_int64_ids_are_compared_as_int64_and_the_bonus_stored_as_int32():
+    """A draft 2**32 + 5 against target 5: a mismatch (compared as int64, not by its low 32
+    bits); a bonus 2**32 + 9 stored as 9 (the low 32 bits, as the targets and vLLM's int32
+    store: 2**33 - 1 becomes -1); the oracle agrees."""
+    cu, bonus = np.array([2, 3], np.int32), np.array([[2 ** 32 + 9], [2 ** 33 - 1]], np.int64)
+    for d in (np.array([5, 6, 3], np.int64), np.array([2 ** 32 + 5, 6, 3], np.int64)):
+        t = np.array([5, 6, 3], np.int64)
+        got = loomnb.rejection_greedy_sample(d, cu, t, bonus, 2)
+        want = [[5, 6, 9], [3, -1, -1]] if d[0] == 5 else [[5, -1, -1], [3, -1, -1]]
+        assert got.tolist() == want
+        assert_bits(got, loomnb.oracle.rejection_greedy_sample(d, cu, t, bonus, 2), str(d))
+
+
 def test_impossible_cu_rows_are_all_placeholder():
     """cu values are device data (unchecked): impossible rows read nothing and stay -1."""
     d = np.array([1, 2, 3, 4], np.int32)

@@ -24,7 +24,9 @@ first mismatch with a group minimum, and writes the request's whole output row (
 -1 included: nothing is pre-filled). A mismatch is ``not (draft >= 0 and draft == target)``,
 compared as int64; the target is stored as int32 (its low 32 bits, as vLLM's ``tl.store``).
 A row whose ``cu`` values are impossible (``start < 0``, ``end < start``, ``end > N`` or
-``end - start > max_spec_len``) is written all -1 and nothing is read through it.
+``end - start > max_spec_len``) is written all -1 and nothing is read through it. Draft and
+bonus ids are int32 or int64 (``VerifySpec.draft``/``bonus``), read as int64; a bonus id is
+stored, like a target, as its low 32 bits.
 
 ``pack=True`` (the fused ``greedy_verify``; one block): each group also counts its row's valid
 entries (``!= -1`` and ``< vocab_size``: vLLM's ``parse_output``), ranks them with a group
@@ -51,6 +53,7 @@ CH_MAX = 5           # column steps of a group: (max_spec_len + 1) <= CH_MAX * G
 GROUPS = (4, 8, 16, 32)
 ILP = 4              # 16-byte loads a thread has in flight in the argmax kernel
 SOURCES = ("i32", "i64", "keys")
+ID_KINDS = ("i32", "i64")  # draft and bonus token ids (vLLM passes either)
 KINDS = ("bf16", "f16", "f32")
 NO_INDEX = 1 << 62   # "no candidate yet" index of the argmax (loses every tie)
 KEY_NONE = -(1 << 63)
@@ -79,9 +82,12 @@ class VerifySpec:
     source: str        # SOURCES: target_argmax int32 / int64, or the argmax kernel's keys
     group: int         # lanes per request (GROUPS)
     pack: bool = False  # count, stage and pack the emitted ids (fused op, one block)
+    draft: str = "i32"  # ID_KINDS: draft_token_ids dtype
+    bonus: str = "i32"  # ID_KINDS: bonus_token_ids dtype
 
     def __post_init__(self):
         assert self.source in SOURCES and self.group in GROUPS
+        assert self.draft in ID_KINDS and self.bonus in ID_KINDS
         assert not self.pack or self.source == "keys"
 
 
@@ -191,9 +197,10 @@ def argmax_kernel(spec):
 def verify_argtypes(spec):
     a = L.array_type
     i64 = L.i64(0).numba_type
-    target = {"i32": "int32", "i64": "int64", "keys": "int64"}[spec.source]
-    return (a("int64", 1), a("int32", 2), a("int32", 1), a("int32", 1), a(target, 1),
-            a("int32", 1), a("int32", 1), a("int32", 1), a("int32", 1), i64, i64, i64, i64, i64)
+    ids = {"i32": "int32", "i64": "int64", "keys": "int64"}
+    return (a("int64", 1), a("int32", 2), a(ids[spec.draft], 1), a("int32", 1),
+            a(ids[spec.source], 1), a(ids[spec.bonus], 1), a("int32", 1), a("int32", 1),
+            a("int32", 1), i64, i64, i64, i64, i64)
 
 
 def verify_kernel(spec):
@@ -228,7 +235,7 @@ def verify_kernel(spec):
                 end = int64(cu[r])
                 if r > 0:
                     start = int64(cu[r - 1])
-                bonus_id = int64(bonus[r])
+                bonus_id = int64(int32(bonus[r]))  # the int32 store keeps the low 32 bits
             n = end - start
             ok = live and start >= 0 and end >= start and end <= N and n <= L
             if not ok:
@@ -297,7 +304,8 @@ def verify_kernel(spec):
             for e in range(carry + tid, cap, nt):
                 packed[e] = -1
 
-    kernel.__name__ = f"spec_verify_{spec.source}_g{G}{'_pack' if PACK else ''}"
+    kernel.__name__ = (f"spec_verify_{spec.source}_d{spec.draft}_b{spec.bonus}_g{G}"
+                       f"{'_pack' if PACK else ''}")
     return kernel
 
 
@@ -309,9 +317,11 @@ def variants():
             spec = ArgmaxSpec(kind, vec)
             out.append((argmax_kernel, spec, argmax_argtypes(spec)))
     for g in GROUPS:
-        for source in ("i32", "i64"):
-            spec = VerifySpec(source, g)
-            out.append((verify_kernel, spec, verify_argtypes(spec)))
-        spec = VerifySpec("keys", g, pack=True)
-        out.append((verify_kernel, spec, verify_argtypes(spec)))
+        for draft in ID_KINDS:
+            for bonus in ID_KINDS:
+                for source in ("i32", "i64"):
+                    spec = VerifySpec(source, g, draft=draft, bonus=bonus)
+                    out.append((verify_kernel, spec, verify_argtypes(spec)))
+                spec = VerifySpec("keys", g, pack=True, draft=draft, bonus=bonus)
+                out.append((verify_kernel, spec, verify_argtypes(spec)))
     return out

@@ -18,8 +18,8 @@ of a request that has fewer drafts than its slots) is always a mismatch, and a d
 never used as an index. ``docs/numerics.md`` has the family's contract in one place.
 
 Bytes moved (the benchmark's model), with ``N = num_draft_tokens``, ``R = num_reqs``, ``L =
-max_spec_len``: ``rejection_greedy_sample`` reads ``4N`` drafts, ``4N`` or ``8N`` targets, ``4R``
-cu and ``4R`` bonus ids, writes ``4R(L+1)``; ``greedy_verify`` reads the ``N x V`` logits
+max_spec_len``: ``rejection_greedy_sample`` reads ``4N`` or ``8N`` drafts (int32 or int64),
+``4N`` or ``8N`` targets, ``4R`` cu and ``4R`` or ``8R`` bonus ids, writes ``4R(L+1)``; ``greedy_verify`` reads the ``N x V`` logits
 instead of the targets and also writes ``4R`` counts, ``4(N+R)`` packed ids and ``4(R+1)``
 offsets. One launch for ``rejection_greedy_sample``, two for ``greedy_verify`` (the split
 argmax, then verification and compaction in one block); both replay on the eager fast path.
@@ -33,8 +33,8 @@ from .. import _adapter as ad
 from ..checks import check_kind, check_ndim, check_same_device, check_shape
 from . import _contract as C
 from . import _launch as L
-from ._spec_decode_kernels import (ILP, ArgmaxSpec, VerifySpec, argmax_kernel, group_for,
-                                   verify_kernel)
+from ._spec_decode_kernels import (ID_KINDS, ILP, ArgmaxSpec, VerifySpec, argmax_kernel,
+                                   group_for, verify_kernel)
 from ._torch_ops import torch_op
 
 __all__ = ["rejection_greedy_sample", "greedy_verify"]
@@ -98,10 +98,10 @@ def _ids(op, name, obj, kinds, ndim, like=None, like_name="draft_token_ids"):
 
 def _inputs(op, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len):
     """The checks both ops run: ``(drafts, cu, bonus [R] view, N, R, L)``."""
-    da = _ids(op, "draft_token_ids", draft_token_ids, ("i32",), 1)
+    da = _ids(op, "draft_token_ids", draft_token_ids, ID_KINDS, 1)
     ca = _ids(op, "cu_num_draft_tokens", cu_num_draft_tokens, ("i32",), 1, da)
     ba = ad.wrap(op, "bonus_token_ids", bonus_token_ids)
-    check_kind(op, "bonus_token_ids", ba, ("i32",))
+    check_kind(op, "bonus_token_ids", ba, ID_KINDS)
     check_same_device(op, "bonus_token_ids", ba, "draft_token_ids", da)
     num_drafts, num_reqs = da.shape[0], ca.shape[0]
     if ba.shape not in ((num_reqs, 1), (num_reqs,)):
@@ -156,14 +156,16 @@ def rejection_greedy_sample(draft_token_ids, cu_num_draft_tokens, target_argmax,
     ``accepted_r + 1`` tokens; one with no drafts emits only ``out[r, 0] = bonus``.
 
     Args:
-        draft_token_ids: int32 ``[num_draft_tokens]``, the requests' drafts one after another
-            (any stride). A negative id is a placeholder: always a mismatch, never an index.
+        draft_token_ids: int32 or int64 ``[num_draft_tokens]``, the requests' drafts one after
+            another (any stride), compared as int64. A negative id is a placeholder: always a
+            mismatch, never an index.
         cu_num_draft_tokens: int32 ``[num_reqs]``, the inclusive cumulative draft counts
-            (counts [2, 3, 1] give [2, 5, 6]).
+            (counts [2, 3, 1] give [2, 5, 6]); int32 only (an offset, vLLM's dtype: not cast).
         target_argmax: int32 or int64 ``[num_draft_tokens]``, the target model's token at each
             draft position (``torch.argmax`` gives int64).
-        bonus_token_ids: int32 ``[num_reqs, 1]`` (or ``[num_reqs]``): the token after the last
-            draft, emitted when every draft was accepted.
+        bonus_token_ids: int32 or int64 ``[num_reqs, 1]`` (or ``[num_reqs]``): the token after
+            the last draft, emitted when every draft was accepted (stored as int32: an int64
+            id keeps its low 32 bits, as vLLM's ``tl.store`` and the targets).
         max_spec_len: the batch's largest draft count, an int in [0, 128] (vLLM's
             ``MAX_SPEC_LEN``); the rows have ``max_spec_len + 1`` columns.
         out: optional int32 ``[num_reqs, max_spec_len + 1]`` (any strides), allocated when None.
@@ -174,14 +176,16 @@ def rejection_greedy_sample(draft_token_ids, cu_num_draft_tokens, target_argmax,
     Raises ``LoomnbTypeError`` (a wrong dtype or array type) or ``LoomnbValueError`` (shape,
     device, overlap, writability, or ``max_spec_len`` out of range or below
     ``num_draft_tokens / num_reqs``) before any launch; ``num_reqs == 0`` is a no-op. The values
-    in ``cu_num_draft_tokens`` are not checked (a device read): a row whose counts are
-    impossible (``cu`` decreasing, beyond ``num_draft_tokens``, or a count above
-    ``max_spec_len``) is written all -1 and nothing is read through it.
+    in ``cu_num_draft_tokens`` are not checked and need no ``check_indices`` option: the kernel
+    bounds every read they steer, so a row whose counts are impossible (``cu`` decreasing,
+    beyond ``num_draft_tokens``, or a count above ``max_spec_len``) is written all -1 and
+    nothing is read through it; token ids are compared, never used as indices.
 
     Matches vLLM 0.24's ``rejection_greedy_sample_kernel`` (with ``is_greedy`` None) and the
     ``torch.full(..., -1)`` before it, bit for bit, for every ``target_argmax >= 0`` (every
-    argmax). Differs where a draft and its target are equal and negative: vLLM accepts it,
-    loomnb rejects it.
+    argmax), with draft, target and bonus ids of int32 or int64 as vLLM's Triton kernel takes
+    (its tests pass int64). Differs where a draft and its target are equal and negative: vLLM
+    accepts it, loomnb rejects it.
     """
     if ad.is_compiling():
         return rejection_greedy_sample.traced(
@@ -204,7 +208,7 @@ def rejection_greedy_sample(draft_token_ids, cu_num_draft_tokens, target_argmax,
     if num_reqs == 0:
         return oa.obj
     g, threads, blocks = verify_config(num_reqs, spec_len, False, L.forced_threads())
-    spec = VerifySpec(ta.kind, g)
+    spec = VerifySpec(ta.kind, g, draft=da.kind, bonus=ba.kind)
     params = _verify_params(None, oa, da, ca, ta, ba, None, None, None, num_reqs, num_drafts,
                             spec_len, 1, 0)
     L.launch(verify_kernel, spec, blocks, threads, params, like=da, stream=stream, key=k)
@@ -314,6 +318,7 @@ def greedy_verify(draft_token_ids, cu_num_draft_tokens, target_logits, bonus_tok
     g, vthreads, _ = verify_config(num_reqs, spec_len, True, forced)
     params = _verify_params(stage, oa, da, ca, keys if num_drafts else None, ba, na, ea, cua,
                             num_reqs, num_drafts, spec_len, splits, vocab)
-    L.launch(verify_kernel, VerifySpec("keys", g, pack=True), 1, vthreads, params, like=da,
+    L.launch(verify_kernel, VerifySpec("keys", g, pack=True, draft=da.kind, bonus=ba.kind), 1,
+             vthreads, params, like=da,
              stream=stream, key=k, part=(launches - 1, launches))
     return oa.obj, na.obj, ea.obj, cua.obj
