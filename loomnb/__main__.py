@@ -1,8 +1,8 @@
 """``python -m loomnb``: the ``loomnb`` command line (``python -m loomnb --help``).
 
-The same as the ``loomnb`` console script; see :mod:`loomnb.models.cli`. The decode loop needs
-the ``torch`` and ``model`` extras: without them this prints one line saying what to install
-and exits 2.
+The same as the ``loomnb`` console script; see :mod:`loomnb.models.cli`. ``--version`` and
+``--help`` need neither torch nor numba; the decode loop needs the ``torch`` and ``model``
+extras: without them ``generate`` prints one line saying what to install and exits 2.
 """
 
 import sys
@@ -10,14 +10,8 @@ import sys
 
 def main(argv=None, prog="python -m loomnb") -> int:
     """Run the command line; returns the exit code."""
-    try:
-        from loomnb.models.cli import main as cli_main
-    except ImportError as e:  # torch, gguf or tokenizers missing; loomnb's own errors propagate
-        if (e.name or "loomnb").split(".")[0] == "loomnb":
-            raise
-        print(f"{prog}: error: the command line needs {e.name or 'a missing package'}: "
-              "python3 -m pip install 'loomnb[torch,model]' (see the README)", file=sys.stderr)
-        return 2
+    from loomnb.models.cli import main as cli_main
+
     return cli_main(argv, prog=prog)
 
 

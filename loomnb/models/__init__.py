@@ -1,40 +1,38 @@
 """Research decode loop: a minimal Llama (SmolLM2-135M GGUF) with a paged KV cache.
 
 ``load_model()`` reads the GGUF, ``model.generate(prompts, max_new_tokens, backend=...)``
-prefills each prompt and greedy-decodes the batch; the norms go through an ops backend
-("loomnb-cuda", "loomnb-cpu" or "torch-reference"), everything else is torch. See
-:mod:`loomnb.models.llama` for the loop and ``loomnb generate --help`` for the CLI.
+prefills each prompt and greedy-decodes the batch, each sequence until its end-of-text token
+(``ignore_eos=True``: all ``max_new_tokens``); the memory-bound ops of the step go through an
+ops backend ("loomnb-cuda", "loomnb-cpu", "torch-reference" or "torch"), the GEMMs are torch.
+See :mod:`loomnb.models.llama` for the loop and ``loomnb generate --help`` for the CLI.
+
+The names below load their modules (and torch) at first use, so ``loomnb --version`` and
+``loomnb generate --help`` (:mod:`loomnb.models.cli`) run without importing torch.
 """
 
-from .backends import BACKENDS, get_backend
-from .gguf_loader import LlamaConfig, default_gguf_path, load_checkpoint
-from .graphs import DECODE_BUCKETS, DecodeGraphs, bucket_size
-from .llama import (
-    GenerationResult,
-    LlamaModel,
-    ModelRunner,
-    compare_greedy,
-    load_model,
-)
-from .paged_cache import BLOCK_SIZE, PagedKVCache, compute_slot_mapping
-from .tokenizer import GGUFTokenizer
+import importlib as _importlib
 
-__all__ = [
-    "BACKENDS",
-    "BLOCK_SIZE",
-    "DECODE_BUCKETS",
-    "DecodeGraphs",
-    "GGUFTokenizer",
-    "GenerationResult",
-    "LlamaConfig",
-    "LlamaModel",
-    "ModelRunner",
-    "PagedKVCache",
-    "bucket_size",
-    "compare_greedy",
-    "compute_slot_mapping",
-    "default_gguf_path",
-    "get_backend",
-    "load_checkpoint",
-    "load_model",
-]
+_WHERE = {  # name -> the module of this package that defines it
+    "BACKENDS": "_names", "get_backend": "backends",
+    "LlamaConfig": "gguf_loader", "default_gguf_path": "gguf_loader",
+    "load_checkpoint": "gguf_loader",
+    "DECODE_BUCKETS": "graphs", "DecodeGraphs": "graphs", "bucket_size": "graphs",
+    "GenerationResult": "llama", "LlamaModel": "llama", "ModelRunner": "llama",
+    "compare_greedy": "llama", "load_model": "llama",
+    "BLOCK_SIZE": "paged_cache", "PagedKVCache": "paged_cache",
+    "compute_slot_mapping": "paged_cache",
+    "GGUFTokenizer": "tokenizer",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name):  # PEP 562
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_WHERE))

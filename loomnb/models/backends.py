@@ -36,10 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("loomnb-cuda", "loomnb-cpu", "torch-reference", "torch")
-LOOMNB_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding_and_cache",
-              "paged_decode_attention", "silu_and_mul", "greedy_sample_logprob")
-TORCH_OPS = ("embedding", "matmul (QKV, o_proj, gate_up, down, lm_head)", "prefill attention")
+from ._names import BACKENDS, LOOMNB_OPS, TORCH_OPS
 
 
 def _write_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",

@@ -1,0 +1,9 @@
+"""Names the command line needs before torch is imported (``loomnb generate --help``)."""
+
+# the ops backends (loomnb.models.backends); "torch" is the plain-torch speed baseline
+BACKENDS = ("loomnb-cuda", "loomnb-cpu", "torch-reference", "torch")
+# the memory-bound ops of the decode step that the loomnb backends run through loomnb
+LOOMNB_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding_and_cache",
+              "paged_decode_attention", "silu_and_mul", "greedy_sample_logprob")
+# what torch computes in every backend
+TORCH_OPS = ("embedding", "matmul (QKV, o_proj, gate_up, down, lm_head)", "prefill attention")
