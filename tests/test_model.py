@@ -48,7 +48,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def loomnb_cpu_result(model):
-    return model.generate(PROMPTS, MAX_NEW_TOKENS, backend="loomnb-cpu", num_top_logits=5)
+    return model.generate(PROMPTS, MAX_NEW_TOKENS, backend="loomnb-cpu", num_top_logits=5,
+                          ignore_eos=True)
 
 
 def tiny_llama(device="cpu", dtype=torch.bfloat16, num_layers=2, vocab_size=512):
@@ -487,7 +488,7 @@ def test_greedy_tokens_loomnb_cpu_equal_torch_reference(model, loomnb_cpu_result
     got = loomnb_cpu_result
     assert got.backend == "loomnb-cpu" and got.loomnb_ops == LOOMNB_OPS
     assert [len(t) for t in got.token_ids] == [MAX_NEW_TOKENS] * len(PROMPTS)
-    ref = model.generate(PROMPTS, MAX_NEW_TOKENS, backend="torch-reference")
+    ref = model.generate(PROMPTS, MAX_NEW_TOKENS, backend="torch-reference", ignore_eos=True)
     assert got.token_ids == ref.token_ids, compare_greedy(got, ref)
     print(f"\nloomnb-cpu == torch-reference for {len(PROMPTS)} prompts x {MAX_NEW_TOKENS} tokens; "
           f"prefill {got.prefill_tokens_per_s:.0f} tok/s, decode {got.decode_tokens_per_s:.0f} tok/s")

@@ -12,7 +12,12 @@ The loop (:meth:`ModelRunner.generate`):
 3. Decode, all sequences as one batch: :meth:`ModelRunner.decode_step` with static shapes
    (``num_seqs`` tokens, fixed ``max_blocks``). Inputs are built on the device from the
    previous step's tokens, nothing syncs with the host, so the step can be captured in a CUDA
-   graph. Tokens go to the host once, at the end; texts are cut at the first stop token.
+   graph. Each sequence stops at its first stop token (end-of-text), as engines do: a
+   finished sequence keeps its row in the batch (static shapes) but its later tokens are
+   dropped, and the decode ends when every sequence has finished (checked on the host every
+   step on the CPU, every ``EOS_CHECK_INTERVAL`` steps on CUDA, so the device runs ahead);
+   ``ignore_eos=True`` (benchmarks) decodes all ``max_new_tokens``. Tokens go to the host at
+   the end; texts are cut at the first stop token.
    With ``cuda_graphs=True`` the batch is padded to a bucket and each step is a replay of the
    bucket's CUDA graph (:mod:`loomnb.models.graphs`; on the CPU the padded step runs eagerly).
 
@@ -23,8 +28,10 @@ The model is vLLM's ``LlamaForCausalLM``: per layer ``input_layernorm`` -> ``qkv
 NeoX-style rotary -> paged GQA attention -> ``o_proj`` -> ``post_attention_layernorm`` (fused
 residual add) -> ``gate_up_proj`` -> ``silu_and_mul`` -> ``down_proj``; then the final norm and
 ``lm_head`` (tied to ``embed_tokens`` when the GGUF has no ``output.weight``). Weights,
-activations and the residual stream are in the model dtype (bf16 by default); the two norms
-go through the swappable ops backend (:mod:`loomnb.models.backends`), the rest is torch.
+activations and the residual stream are in the model dtype (bf16 by default); the memory-bound
+ops (the norms, RoPE + the KV-cache write, decode attention, SiLU-and-mul, greedy sampling) go
+through the swappable ops backend (:mod:`loomnb.models.backends`); the GEMMs, the embedding and
+the prefill attention are torch.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ from .paged_cache import BLOCK_SIZE, PagedKVCache, cdiv, compute_slot_mapping, p
 from .tokenizer import GGUFTokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+MANTISSA_BITS = {"bfloat16": 7, "float16": 10, "float32": 23}  # explicit bits: ulp = 2^(e - m)
+EOS_CHECK_INTERVAL = 8  # CUDA decode steps between two host checks for "every sequence ended"
 
 
 class RotaryEmbedding:
@@ -210,9 +219,12 @@ class LlamaModel:
 
     def generate(self, prompts, max_new_tokens=32, backend=None, chat=False,
                  num_top_logits=0, forced_token_ids=None, progress=None, cuda_graphs=False,
-                 kv_cache_dtype="auto") -> GenerationResult:
-        """Greedy-decode ``max_new_tokens`` tokens for each prompt (a str or a list of str);
-        see :meth:`ModelRunner.generate` for ``num_top_logits``, ``forced_token_ids``,
+                 kv_cache_dtype="auto", ignore_eos=False) -> GenerationResult:
+        """Greedy-decode up to ``max_new_tokens`` tokens for each prompt (a str or a list of
+        str), each sequence stopping at its first stop token (the tokenizer's
+        ``stop_token_ids``; the token is kept) and the batch when all have stopped;
+        ``ignore_eos=True`` (or teacher forcing) decodes all ``max_new_tokens``. See
+        :meth:`ModelRunner.generate` for ``num_top_logits``, ``forced_token_ids``,
         ``progress`` and ``cuda_graphs``; ``kv_cache_dtype``: ``"auto"`` (the model dtype) or
         ``"fp8"`` (E4M3 codes, :class:`PagedKVCache`). ``chat``: wrap each
         prompt in the chat template, where only the template adds control tokens
@@ -223,8 +235,9 @@ class LlamaModel:
         prompt_ids = [tok.encode_chat(p) if chat else tok.encode(p) for p in prompts]
         num_blocks = sum(cdiv(len(p) + max_new_tokens, BLOCK_SIZE) for p in prompt_ids)
         runner = self.new_runner(backend, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype)
+        stop = () if ignore_eos or forced_token_ids is not None else tok.stop_token_ids
         result = runner.generate(prompt_ids, max_new_tokens, num_top_logits, forced_token_ids,
-                                 progress, cuda_graphs=cuda_graphs)
+                                 progress, cuda_graphs=cuda_graphs, stop_token_ids=stop)
         result.prompts = prompts
         result.texts = [tok.decode(_cut_at_stop(ids, tok.stop_token_ids))
                         for ids in result.token_ids]
@@ -233,9 +246,13 @@ class LlamaModel:
 
 @dataclass
 class GenerationResult:
-    """``token_ids``: all ``max_new_tokens`` greedy tokens per prompt (not cut at a stop
-    token); ``texts``: their decoding up to the first stop token; ``top_logits``: optional
-    ``(token ids, fp32 logits)``, each ``[num_seqs, max_new_tokens, k]``, of every step."""
+    """``token_ids``: the greedy tokens per prompt, up to and including its first stop token
+    when the run stopped at stop tokens, else all ``max_new_tokens``; ``texts``: their decoding
+    up to the first stop token; ``top_logits``: optional ``(token ids, fp32 logits)``, each
+    ``[num_seqs, 1 + num_decode_steps, k]``, of every step (rows past a sequence's end are
+    steps it sat through); ``num_decode_tokens``: the tokens kept after each sequence's first;
+    ``num_decode_steps``: the decode steps the batch ran; ``dtype``: the model's (the unit of
+    :func:`is_near_tie`'s ulps)."""
 
     prompt_token_ids: list[list[int]]
     token_ids: list[list[int]]
@@ -254,11 +271,15 @@ class GenerationResult:
     decode_batch: int = 0  # rows of each decode step: the bucket with cuda_graphs, else num_seqs
     graph_capture_time_s: float = 0.0  # warm-up + capture, not inside decode_time_s
     kv_cache_dtype: str = "auto"
+    num_decode_steps: int | None = None  # None: num_decode_tokens / num_seqs (fixed length)
+    dtype: str = "bfloat16"
 
     @property
     def tpot_s(self) -> float:
-        """Time per output token of the decode: ``decode_time_s / (max_new_tokens - 1)``."""
-        steps = self.num_decode_tokens // max(len(self.token_ids), 1)
+        """Time per output token of the decode: ``decode_time_s / num_decode_steps``."""
+        steps = self.num_decode_steps
+        if steps is None:
+            steps = self.num_decode_tokens // max(len(self.token_ids), 1)
         return self.decode_time_s / max(steps, 1)
 
     @property
@@ -271,15 +292,17 @@ class GenerationResult:
 
 
 def is_near_tie(result: GenerationResult, seq: int, step: int, token: int, ulps=2.0) -> bool:
-    """Whether ``token``'s logit is within ``ulps`` bf16 ULPs of the top logit that ``result``
-    saw for sequence ``seq`` at ``step`` (needs ``result.top_logits``)."""
-    if result.top_logits is None:
+    """Whether ``token``'s logit is within ``ulps`` ULPs (of the model dtype,
+    ``result.dtype``: bf16 by default) of the top logit that ``result`` saw for sequence
+    ``seq`` at ``step`` (needs ``result.top_logits``)."""
+    if result.top_logits is None or step >= result.top_logits[0].shape[1]:
         return False
     ids, vals = result.top_logits[0][seq, step].tolist(), result.top_logits[1][seq, step]
     if token not in ids:
         return False
     top = vals[0].item()
-    ulp = 2.0 ** (math.floor(math.log2(abs(top))) - 7) if top else 0.0
+    bits = MANTISSA_BITS.get(getattr(result, "dtype", "bfloat16"), 7)
+    ulp = 2.0 ** (math.floor(math.log2(abs(top))) - bits) if top else 0.0
     return top - vals[ids.index(token)].item() <= ulps * ulp
 
 
@@ -299,13 +322,17 @@ def compare_greedy(a: GenerationResult, b: GenerationResult, ulps=2.0):
     """Per prompt: ``("identical", None)``, ``("near-tie", step)`` or ``("mismatch", step)``.
 
     At the first differing step, a near-tie means each run has the other's token within
-    ``ulps`` bf16 ULPs of its own top logit: a tie that tiny upstream differences (fp32
-    reduction order) may flip, after which the continuations legitimately differ.
+    ``ulps`` ULPs (of the model dtype) of its own top logit: a tie that tiny upstream
+    differences (fp32 reduction order) may flip, after which the continuations legitimately
+    differ. Token lists of different lengths whose common part is equal (one run stopped at a
+    stop token, the other did not) are a mismatch where the shorter ends.
     """
     verdicts = []
     for s, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
         step = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
-        if step is None:
+        if step is None and len(ta) != len(tb):
+            verdicts.append(("mismatch", min(len(ta), len(tb))))
+        elif step is None:
             verdicts.append(("identical", None))
         elif is_near_tie(a, s, step, tb[step], ulps) and is_near_tie(b, s, step, ta[step], ulps):
             verdicts.append(("near-tie", step))
@@ -319,6 +346,11 @@ def _cut_at_stop(ids, stop_ids):
         if i in stop_ids:
             return ids[:n]
     return ids
+
+
+def _stop_length(ids, stop_ids) -> int:
+    """How many of ``ids`` a sequence keeps: up to and including its first stop token."""
+    return next((n + 1 for n, i in enumerate(ids) if i in stop_ids), len(ids))
 
 
 def _prefill_progress(progress, done_before: int, total: int):
@@ -377,15 +409,19 @@ class ModelRunner:
     @torch.inference_mode()
     def generate(self, prompt_token_ids: list[list[int]], max_new_tokens: int,
                  num_top_logits: int = 0, forced_token_ids=None, progress=None,
-                 cuda_graphs: bool = False) -> GenerationResult:
-        """Prefill each prompt, then greedy-decode the batch. ``num_top_logits`` > 0: also
+                 cuda_graphs: bool = False, stop_token_ids=()) -> GenerationResult:
+        """Prefill each prompt, then greedy-decode the batch. ``stop_token_ids`` (default none:
+        decode all ``max_new_tokens``): a sequence ends at its first token among them (kept in
+        ``token_ids``), the decode when every sequence has ended (module docstring; not with
+        ``forced_token_ids``, which raises ``ValueError``). ``num_top_logits`` > 0: also
         record each step's top logits (to tell near-ties from real mismatches).
         ``forced_token_ids`` ``[num_seqs][max_new_tokens]``: teacher forcing, feed these
         tokens instead of the greedy ones (``token_ids`` still holds the greedy choices).
         ``progress(stage, done, total)``, if given, is called as work is issued: ``("prefill",
         done, num_seqs * num_hidden_layers)`` after each layer of each prompt, then ``("decode",
-        step, max_new_tokens - 1)`` after each decode step. It changes no result (on a GPU it
-        counts launches, which run ahead of the device).
+        step, max_new_tokens - 1)`` after each decode step (fewer when the sequences end
+        early). It changes no result (on a GPU it counts launches, which run ahead of the
+        device).
 
         ``cuda_graphs``: decode through :class:`~loomnb.models.graphs.DecodeGraphs`: the batch
         padded to its bucket (1, 2, 4, ... 64 rows) and, on CUDA, each step a replay of the
@@ -395,6 +431,10 @@ class ModelRunner:
         (its blocks are freed at the end)."""
         if max_new_tokens < 1 or any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("need max_new_tokens >= 1 and non-empty prompts")
+        stop_ids = sorted(set(int(t) for t in (stop_token_ids or ())))
+        if stop_ids and forced_token_ids is not None:
+            raise ValueError("teacher forcing (forced_token_ids) decodes every step; pass no "
+                             "stop_token_ids with it")
         dev, bs = self.model.device, self.block_size
         num_seqs = len(prompt_token_ids)
         prompt_lens = [len(p) for p in prompt_token_ids]
@@ -450,9 +490,18 @@ class ModelRunner:
             _sync(dev)
             t1 = time.perf_counter()
         seq_idx = torch.arange(num_seqs, device=dev)
+        stop = done = None
+        interval = EOS_CHECK_INTERVAL if dev.type == "cuda" else 1
+        if stop_ids:
+            stop = torch.tensor(stop_ids, dtype=torch.long, device=dev)
+            done = torch.isin(out[0], stop)
+        steps_run = 0
         for step in range(1, max_new_tokens):
+            if done is not None and (step - 1) % interval == 0 and bool(done.all()):
+                break  # every sequence has ended (a host sync every `interval` steps)
             if graphs is not None:
                 graphs.step()
+                new = graphs.outputs(step)["tokens"][:, step - 1]
             else:
                 input_ids = out[-1] if forced is None else forced[:, step - 1]
                 slot_mapping = compute_slot_mapping(block_tables, seq_idx, positions, bs)
@@ -460,13 +509,17 @@ class ModelRunner:
                 out.append(sample(self.decode_logits(input_ids, positions, slot_mapping,
                                                      block_tables, seq_lens)))
                 positions = positions + 1
+                new = out[-1]
+            if done is not None:
+                done |= torch.isin(new, stop)
+            steps_run = step
             if progress is not None:
                 progress("decode", step, max_new_tokens - 1)
         _sync(dev)
         t2 = time.perf_counter()
         first_lp = tuple(torch.cat(t) for t in zip(*logprobs[:num_seqs]))
         if graphs is not None:  # the decode's outputs are the graphs' per-step buffers
-            g = graphs.outputs(max_new_tokens - 1)
+            g = graphs.outputs(steps_run)
             out += list(g["tokens"].unbind(1))
             logprobs[num_seqs:] = list(zip(g["logprobs"].unbind(1), g["ranks"].unbind(1)))
             if num_top_logits:
@@ -475,6 +528,11 @@ class ModelRunner:
         steps = [first_lp] + logprobs[num_seqs:]
         token_logprobs = torch.stack([lp for lp, _ in steps], dim=1).cpu().tolist()
         token_ranks = torch.stack([rk for _, rk in steps], dim=1).cpu().tolist()
+        if stop_ids:  # each sequence up to and including its first stop token
+            keep = [_stop_length(ids, stop_ids) for ids in token_ids]
+            token_ids = [ids[:n] for ids, n in zip(token_ids, keep)]
+            token_logprobs = [lp[:n] for lp, n in zip(token_logprobs, keep)]
+            token_ranks = [rk[:n] for rk, n in zip(token_ranks, keep)]
         top_logits = None
         if num_top_logits:  # the prefill's tops are per sequence, the decode's per batch
             steps = [tuple(torch.cat(t) for t in zip(*tops[:num_seqs]))] + tops[num_seqs:]
@@ -489,7 +547,7 @@ class ModelRunner:
             prefill_time_s=prefill_s,
             decode_time_s=t2 - t1,
             num_prefill_tokens=sum(prompt_lens),
-            num_decode_tokens=num_seqs * (max_new_tokens - 1),
+            num_decode_tokens=sum(len(ids) - 1 for ids in token_ids),
             top_logits=top_logits,
             token_logprobs=token_logprobs,
             token_ranks=token_ranks,
@@ -497,7 +555,13 @@ class ModelRunner:
             decode_batch=decode_batch,
             graph_capture_time_s=capture_s,
             kv_cache_dtype=self.kv_cache.kv_cache_dtype,
+            num_decode_steps=steps_run,
+            dtype=_dtype_name(self.model.dtype),
         )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def resolve_device(device: str = "auto") -> torch.device:

@@ -29,6 +29,12 @@ also the plain-greedy baseline (``num_speculative_tokens=0``). ``cuda_graph=True
 the target pass and the verification once per ``k`` (static shapes, inputs copied in,
 outputs read back).
 
+A sequence ends at its first stop token (``stop_token_ids``; the token is kept, what the
+pass emitted after it is dropped), the decode when every sequence has ended or has its
+``max_new_tokens``. ``logprobs=True`` also gives each emitted token's log-probability and rank:
+the emitted tokens are the argmax of their rows, so the backend's greedy sampler
+(``ops.greedy``, as the plain loop's) on every row of the pass gives them.
+
 Reports: ``acceptance_rate`` (accepted / proposed drafts), ``tokens_per_step`` (tokens a
 sequence gets from one target pass, averaged over the passes it took part in), decode tokens/s.
 """
@@ -55,6 +61,16 @@ def _sync(device):
 
 def _cut_at_stop(ids, stop_ids):
     return next((ids[:n] for n, i in enumerate(ids) if i in stop_ids), ids)
+
+
+def _take(new, limit, stop_ids):
+    """The emitted tokens a sequence keeps: at most ``limit``, up to and including the first
+    stop token; and whether it ended at one."""
+    take = new[:limit]
+    for n, t in enumerate(take):
+        if t in stop_ids:
+            return take[:n + 1], True
+    return take, False
 
 
 @contextlib.contextmanager
@@ -160,8 +176,10 @@ class _Pass:
     bonus argmax, ``greedy_verify``, the outputs gathered into one buffer) runs eagerly or as a
     graph replay, and one device-to-host copy brings the outputs back."""
 
-    def __init__(self, runner, block_tables, k, cuda_graph, num_top_logits, plain=False):
+    def __init__(self, runner, block_tables, k, cuda_graph, num_top_logits, plain=False,
+                 logprobs=False):
         self.runner, self.k, self.graph, self.plain = runner, k, None, plain
+        self.logprobs = logprobs  # also each row's greedy logprob and rank (ops.greedy)
         self.capture_s = 0.0  # warm-up run + capture of the graph (CUDA graphs only)
         self.cuda_graph, self.num_top_logits = cuda_graph, num_top_logits
         dev = runner.model.device
@@ -203,6 +221,9 @@ class _Pass:
         if self.num_top_logits:
             top = logits.float().topk(self.num_top_logits, dim=-1)
             self.tops = (top.indices, top.values)
+        if self.logprobs:
+            _, lp, rank = r.ops.greedy(logits)
+            self.lps = (lp, rank)
 
     def _step(self):
         """The pass on the device: eager, or the graph (captured at its first use, on the inputs
@@ -230,15 +251,17 @@ class _Pass:
         self.h_in.numpy()[:] = np.concatenate([input_ids, positions]).astype(np.int64)
         self.d_in.copy_(self.h_in, non_blocking=True)
         hist = torch.empty((steps, self.num_seqs), dtype=torch.int32, device=self.dev)
-        tops = []
+        tops, lps = [], []
         for i in range(steps):
             self._step()
             hist[i].copy_(self.bonus.view(-1))
             if self.num_top_logits:
                 tops.append(tuple(t.clone() for t in self.tops))
+            if self.logprobs:
+                lps.append(tuple(t.clone() for t in self.lps))
             self.input_ids.copy_(self.bonus.view(-1))
             self.positions.add_(1)
-        return hist.T.cpu().numpy(), tops
+        return hist.T.cpu().numpy(), tops, lps
 
     def run(self, input_ids, positions, drafts):
         R, n_tok = self.num_seqs, self.num_seqs * (self.k + 1)
@@ -259,7 +282,8 @@ class _Pass:
             _, num, emitted, cu = oracle.greedy_verify(
                 self.drafts.numpy(), self.cu.numpy(), lv[:, :self.k], self.bonus.numpy(), self.k)
         tops = tuple(t.cpu() for t in self.tops) if self.num_top_logits else None
-        return num.copy(), emitted.copy(), cu.copy(), tops
+        lps = tuple(t.cpu().tolist() for t in self.lps) if self.logprobs else None
+        return num.copy(), emitted.copy(), cu.copy(), tops, lps
 
 
 class SpeculativeRunner(ModelRunner):
@@ -268,9 +292,13 @@ class SpeculativeRunner(ModelRunner):
     @torch.inference_mode()
     def generate_speculative(self, prompt_token_ids, max_new_tokens, *, num_speculative_tokens=4,
                              prompt_lookup_min=2, prompt_lookup_max=4, cuda_graph=False,
-                             num_top_logits=0, progress=None) -> SpeculativeResult:
-        """Greedy-decode ``max_new_tokens`` tokens per prompt (token-id lists) with n-gram
-        drafts verified by ``greedy_verify`` (module docstring). ``num_speculative_tokens=0``
+                             num_top_logits=0, progress=None, stop_token_ids=(),
+                             logprobs=False) -> SpeculativeResult:
+        """Greedy-decode up to ``max_new_tokens`` tokens per prompt (token-id lists) with n-gram
+        drafts verified by ``greedy_verify`` (module docstring); a sequence ends at its first
+        token among ``stop_token_ids`` (default none: all ``max_new_tokens``), kept;
+        ``logprobs``: also each token's log-probability and rank (``token_logprobs``,
+        ``token_ranks``). ``num_speculative_tokens=0``
         is plain greedy decoding through the same passes. ``cuda_graph``: capture each pass
         shape once (CUDA only). ``num_top_logits`` > 0 records each emitted token's top logits
         (``result.top_logits``, for :func:`loomnb.models.compare_greedy`). ``progress(stage,
@@ -305,18 +333,20 @@ class SpeculativeRunner(ModelRunner):
         try:
             return self._generate(prompt_token_ids, max_new_tokens, k, prompt_lookup_min,
                                   prompt_lookup_max, cuda_graph, num_top_logits, progress,
-                                  block_tables)
+                                  block_tables, set(int(t) for t in (stop_token_ids or ())),
+                                  logprobs)
         finally:
             for blocks in seq_blocks:
                 self.kv_cache.allocator.free(blocks)
 
     def _generate(self, prompts, max_new_tokens, k, lookup_min, lookup_max, cuda_graph,
-                  num_top_logits, progress, block_tables):
+                  num_top_logits, progress, block_tables, stop_ids, logprobs):
         dev = self.model.device
         num_seqs = len(prompts)
         _sync(dev)
         t0 = time.perf_counter()
         history, tops = [], [[] for _ in prompts]
+        lps = [[] for _ in prompts]  # per sequence: (logprob, rank) of each emitted token
         num_layers = self.model.config.num_hidden_layers
         for i, ids in enumerate(prompts):  # the prefill, as ModelRunner.generate
             on_layer = (None if progress is None else
@@ -327,35 +357,48 @@ class SpeculativeRunner(ModelRunner):
             if num_top_logits:
                 top = logits.float().topk(num_top_logits, dim=-1)
                 tops[i].append((top.indices[0].cpu(), top.values[0].cpu()))
+            if logprobs:
+                _, lp, rank = self.ops.greedy(logits)
+                lps[i].append((float(lp.view(-1)[0]), int(rank.view(-1)[0])))
         _sync(dev)
         t1 = time.perf_counter()
         passes = {}
         res = dict(num_steps=0, num_seq_steps=0, num_draft_tokens=0, num_accepted_tokens=0,
                    num_emitted_tokens=0)
         generated = [1] * num_seqs
+        ended = [h[-1] in stop_ids for h in history]  # at a stop token
         if k == 0 and dev.type == "cuda" and max_new_tokens > 1:  # plain greedy, no host trips
             steps = max_new_tokens - 1
-            plain = _Pass(self, block_tables, 0, cuda_graph, num_top_logits, plain=True)
-            toks, step_tops = plain.run_plain(np.array([h[-1] for h in history]),
-                                              np.array([len(h) - 1 for h in history]), steps)
+            plain = _Pass(self, block_tables, 0, cuda_graph, num_top_logits, plain=True,
+                          logprobs=logprobs)
+            toks, step_tops, step_lps = plain.run_plain(np.array([h[-1] for h in history]),
+                                                        np.array([len(h) - 1 for h in history]),
+                                                        steps)
             for s in range(num_seqs):
-                history[s] += toks[s].tolist()
-                for ind, val in step_tops:
+                n = 0 if ended[s] else len(_take(toks[s].tolist(), steps, stop_ids)[0])
+                history[s] += toks[s].tolist()[:n]
+                for ind, val in step_tops[:n]:
                     tops[s].append((ind[s].cpu(), val[s].cpu()))
-            generated = [max_new_tokens] * num_seqs
+                for lp, rank in step_lps[:n]:
+                    lps[s].append((float(lp[s]), int(rank[s])))
+                generated[s] += n
             res.update(num_steps=steps, num_seq_steps=steps * num_seqs,
                        num_emitted_tokens=steps * num_seqs)
+            generated = [max_new_tokens] * num_seqs  # every sequence is done
             passes[0] = plain
             if progress is not None:
                 progress("decode", max_new_tokens - 1, max_new_tokens - 1)
-        while min(generated) < max_new_tokens:
-            live = [g < max_new_tokens for g in generated]
+        while True:
+            live = [g < max_new_tokens and not e for g, e in zip(generated, ended)]
+            if not any(live):
+                break
             drafts = [propose_ngram(h, min(k, max_new_tokens - g - 1), lookup_min, lookup_max,
                                     self.model.config.max_position_embeddings) if on and k else []
                       for h, g, on in zip(history, generated, live)]
             kk = k if any(drafts) else 0
             if kk not in passes:
-                passes[kk] = _Pass(self, block_tables, kk, cuda_graph, num_top_logits)
+                passes[kk] = _Pass(self, block_tables, kk, cuda_graph, num_top_logits,
+                                   logprobs=logprobs)
             input_ids, positions, draft_ids = [], [], []
             for h, d in zip(history, drafts):  # finished sequences repeat their last pass's input
                 p = len(h) - 1
@@ -363,8 +406,8 @@ class SpeculativeRunner(ModelRunner):
                 input_ids += [h[-1]] + d + [0] * pad
                 positions += list(range(p, p + kk + 1))
                 draft_ids += d + [PLACEHOLDER] * pad
-            num, emitted, cu, top = passes[kk].run(np.array(input_ids), np.array(positions),
-                                                   np.array(draft_ids, dtype=np.int64))
+            num, emitted, cu, top, lp = passes[kk].run(np.array(input_ids), np.array(positions),
+                                                       np.array(draft_ids, dtype=np.int64))
             res["num_steps"] += 1
             for s in range(num_seqs):
                 if not live[s]:
@@ -374,20 +417,25 @@ class SpeculativeRunner(ModelRunner):
                 res["num_draft_tokens"] += len(drafts[s])
                 res["num_accepted_tokens"] += int(num[s]) - 1
                 res["num_emitted_tokens"] += int(num[s])
-                take = new[:max_new_tokens - generated[s]]
+                take, ended[s] = _take(new, max_new_tokens - generated[s], stop_ids)
                 history[s] += take
                 generated[s] += len(take)
-                if num_top_logits:
-                    for j in range(len(take)):
-                        row = s * (kk + 1) + j
+                for j in range(len(take)):
+                    row = s * (kk + 1) + j
+                    if num_top_logits:
                         tops[s].append((top[0][row], top[1][row]))
+                    if logprobs:
+                        lps[s].append((lp[0][row], lp[1][row]))
             if progress is not None:
-                progress("decode", min(generated) - 1, max_new_tokens - 1)
+                slowest = min(max_new_tokens if e else g for g, e in zip(generated, ended))
+                progress("decode", slowest - 1, max_new_tokens - 1)
         _sync(dev)
         t2 = time.perf_counter()
         token_ids = [h[len(p):] for h, p in zip(history, prompts)]
         top_logits = None
-        if num_top_logits:
+        if num_top_logits:  # sequences that ended early: padded with their last step's
+            width = max(len(t) for t in tops)
+            tops = [t + [t[-1]] * (width - len(t)) for t in tops]
             top_logits = (torch.stack([torch.stack([i for i, _ in t]) for t in tops]),
                           torch.stack([torch.stack([v for _, v in t]) for t in tops]))
         return SpeculativeResult(
@@ -396,18 +444,23 @@ class SpeculativeRunner(ModelRunner):
                 ("greedy_verify",) if dev.type == "cuda" else ()),
             prefill_time_s=t1 - t0, decode_time_s=t2 - t1,
             num_prefill_tokens=sum(len(p) for p in prompts),
-            num_decode_tokens=num_seqs * (max_new_tokens - 1), top_logits=top_logits,
+            num_decode_tokens=sum(len(t) - 1 for t in token_ids), top_logits=top_logits,
+            token_logprobs=[[lp for lp, _ in t] for t in lps] if logprobs else None,
+            token_ranks=[[rk for _, rk in t] for t in lps] if logprobs else None,
+            dtype=str(self.model.dtype).removeprefix("torch."),
             method="ngram", num_speculative_tokens=k, prompt_lookup=(lookup_min, lookup_max),
             cuda_graph=cuda_graph, graph_capture_s=sum(p.capture_s for p in passes.values()), **res)
 
 
 def generate_speculative(model, prompts, max_new_tokens=32, *, backend=None, chat=False,
                          num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4,
-                         cuda_graph=False, num_top_logits=0, progress=None) -> SpeculativeResult:
+                         cuda_graph=False, num_top_logits=0, progress=None, ignore_eos=False,
+                         logprobs=False) -> SpeculativeResult:
     """``loomnb generate --speculative ngram``: like :meth:`LlamaModel.generate` (prompts: a
-    str or a list of str; ``chat`` wraps them in the chat template), decoding with prompt-lookup
-    speculation (:class:`SpeculativeRunner`). Returns a :class:`SpeculativeResult` with the
-    texts cut at the first stop token; ``result.summary()`` is the report line.
+    str or a list of str; ``chat`` wraps them in the chat template; each sequence stops at its
+    first stop token unless ``ignore_eos``), decoding with prompt-lookup speculation
+    (:class:`SpeculativeRunner`). Returns a :class:`SpeculativeResult` with the texts cut at
+    the first stop token; ``result.summary()`` is the report line.
 
     Defaults: ``k = 4`` drafts from 2- to 4-grams. vLLM's defaults (``prompt_lookup_min =
     prompt_lookup_max = 5`` when neither is given, ``num_speculative_tokens`` required) suit
@@ -425,7 +478,8 @@ def generate_speculative(model, prompts, max_new_tokens=32, *, backend=None, cha
     result = runner.generate_speculative(
         prompt_ids, max_new_tokens, num_speculative_tokens=k, prompt_lookup_min=prompt_lookup_min,
         prompt_lookup_max=prompt_lookup_max, cuda_graph=cuda_graph,
-        num_top_logits=num_top_logits, progress=progress)
+        num_top_logits=num_top_logits, progress=progress,
+        stop_token_ids=() if ignore_eos else tok.stop_token_ids, logprobs=logprobs)
     result.prompts = prompts
     result.texts = [tok.decode(_cut_at_stop(ids, tok.stop_token_ids)) for ids in result.token_ids]
     return result
