@@ -180,7 +180,9 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
     file, where ``gguf.GGUFReader`` takes ~3 s to index its 49,152-token vocabulary).
 
     Raises ``FileNotFoundError`` if there is no such file and :class:`GGUFFormatError` if it is
-    not a GGUF (version 2 or 3, either byte order) or its header is truncated or malformed.
+    not a GGUF (version 2 or 3, either byte order), its header is truncated or malformed, or the
+    file ends before the last byte of a tensor the header lists (a truncated download; checked
+    from the tensors' types and shapes when the ``gguf`` package is installed).
     """
     path = str(path)
     with open(path, "rb") as f:
@@ -205,15 +207,45 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
             for _ in range(kv_count):
                 key = cur.string("a metadata key")
                 metadata[key] = cur.value(cur.scalar("I", key), key)
-            names = []
+            names, infos = [], []
             for _ in range(tensor_count):
                 name = cur.string("a tensor name")
                 n_dims = cur.scalar("I", name)
-                cur.scalars("Q", n_dims, name)  # dims
-                cur.scalars("I", 1, name)  # ggml type
-                cur.scalars("Q", 1, name)  # data offset
+                dims = cur.scalars("Q", n_dims, name)
+                (ggml_type,) = cur.scalars("I", 1, name)
+                (offset,) = cur.scalars("Q", 1, name)
                 names.append(name)
+                infos.append((name, dims, ggml_type, offset))
+            _check_tensor_data(path, size, cur.pos, metadata.get("general.alignment", 32), infos)
     return GGUFHeader(path=path, version=version, metadata=metadata, tensor_names=tuple(names))
+
+
+def _check_tensor_data(path, size, header_end, alignment, infos) -> None:
+    """Raise :class:`GGUFFormatError` if a tensor's data would end past the file's ``size``
+    bytes (the data start at ``header_end`` rounded up to ``alignment``, as gguf's reader
+    places them). Skipped without the ``gguf`` package (its table gives the types' sizes)."""
+    try:
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    except ImportError:
+        return
+    if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+        raise GGUFFormatError(f"{path}: malformed GGUF header (general.alignment {alignment!r} "
+                              "is not a power of two)")
+    start = -(-header_end // alignment) * alignment
+    for name, dims, ggml_type, offset in infos:
+        try:
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        except (ValueError, KeyError):
+            raise GGUFFormatError(f"{path}: tensor {name!r} has an unknown GGML type "
+                                  f"{ggml_type}") from None
+        elements = 1
+        for d in dims:
+            elements *= d
+        end = start + offset + elements // block * type_size
+        if end > size:
+            raise GGUFFormatError(f"{path}: truncated GGUF: tensor {name!r} ends at byte {end}, "
+                                  f"but the file has {size} bytes (an incomplete download or "
+                                  "copy?)")
 
 
 def permute_qk(w, n_head: int):
@@ -287,12 +319,19 @@ def _load_checkpoint_cached(path: str) -> GGUFCheckpoint:
     import gguf
 
     read_header(path)  # a clear GGUFFormatError for a file that is not a (readable) GGUF
-    reader = gguf.GGUFReader(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, KeyError, IndexError, struct.error) as e:
+        raise GGUFFormatError(f"{path}: cannot read it as a GGUF ({e})") from None
     meta = _read_metadata(reader)
     config = config_from_metadata(meta, (t.name for t in reader.tensors))
     tensors = {}
     for t in reader.tensors:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        try:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        except (ValueError, KeyError, IndexError, NotImplementedError) as e:
+            raise GGUFFormatError(f"{path}: cannot read tensor {t.name!r} ({type(e).__name__}: "
+                                  f"{e}; a truncated or corrupt file?)") from None
         arr = np.ascontiguousarray(arr, dtype=np.float32)
         arr.setflags(write=False)  # shared by the cache: never mutate
         tensors[t.name] = arr
