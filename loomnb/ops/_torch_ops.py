@@ -17,12 +17,17 @@ torch dispatcher.
 
 ``stream=`` has no place in a traced graph (the graph's stream is the current one): passing
 one while compiling raises.
+
+The kernels run on CUDA tensors only. On CPU tensors every ``torch.ops.loomnb`` op has a CPU
+kernel that raises :class:`~loomnb.LoomnbTypeError` saying so (instead of torch's
+``NotImplementedError`` listing every dispatch key); the CPU reference is
+``loomnb.oracle.<name>``, which takes CPU tensors and NumPy arrays.
 """
 
 from __future__ import annotations
 
 from .. import _adapter as ad
-from ..checks import LoomnbValueError
+from ..checks import LoomnbTypeError, LoomnbValueError
 
 torch = ad._torch
 _LIB = torch.library.Library("loomnb", "DEF") if torch is not None else None
@@ -80,9 +85,17 @@ def _make_traced(name, inputs, outputs, returns, fake, eager=None):
     def run_out(*args, **kwargs):
         (eager or REGISTERED[name])(**dict(zip(params, args), **kwargs))
 
+    def on_cpu(*args, **kwargs):  # what torch would otherwise answer with NotImplementedError
+        raise LoomnbTypeError(f"torch.ops.loomnb.{name}: loomnb's torch ops run on CUDA tensors, "
+                              f"and got CPU tensors; move them to the GPU (.cuda()), or compute "
+                              f"on the CPU with loomnb.oracle.{name} (same arguments; CPU "
+                              f"tensors or NumPy arrays)")
+
     _LIB.impl(name, run, "CUDA")
+    _LIB.impl(name, on_cpu, "CPU")
     if outputs:
         _LIB.impl(name + ".out", run_out, "CUDA")
+        _LIB.impl(name + ".out", on_cpu, "CPU")
         torch.library.register_fake(f"loomnb::{name}", fake, lib=_LIB)
         torch.library.register_fake(f"loomnb::{name}.out", lambda *a, **k: None, lib=_LIB)
     else:
