@@ -93,3 +93,22 @@ def test_oracle_signatures_and_names_are_the_families():
     public = {n for n in dir(oracle) if not n.startswith("_")}
     assert not public & {"importlib", "pkgutil", "functools", "sys"}, public
     assert public <= set(oracle.__all__) | set(oracle.FAMILIES) | {"FAMILIES", "fp8", "numerics"}
+
+
+def test_vllm_summary_without_vllm_names_no_version(monkeypatch):
+    """The plug-in's summary() outside vLLM says where it is, not "in vLLM None"."""
+    import importlib.metadata
+
+    import loomnb.integrations.vllm as V
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setitem(V._STATE, "vllm_version", None)
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    first = V.summary().splitlines()[0]
+    assert first == f"loomnb {loomnb.__version__} (vLLM is not installed here):" and "None" not in first
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.24.0")
+    assert "beside vLLM 0.24.0 (not registered by vLLM in this process)" in V.summary()
+    monkeypatch.setitem(V._STATE, "vllm_version", "0.24.0")
+    assert V.summary().startswith(f"loomnb {loomnb.__version__} in vLLM 0.24.0:")

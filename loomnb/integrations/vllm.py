@@ -679,10 +679,23 @@ def report():
             "custom_op_modes": custom_op_modes()}
 
 
+def _where() -> str:
+    """Which vLLM the plug-in runs in: the one that registered it, else the installed one."""
+    if _STATE["vllm_version"] is not None:
+        return f"in vLLM {_STATE['vllm_version']}"
+    import importlib.metadata
+
+    try:
+        installed = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return "(vLLM is not installed here)"
+    return f"beside vLLM {installed} (not registered by vLLM in this process)"
+
+
 def summary():
     """:func:`report` as text, one line per route and per count."""
     rep = report()
-    lines = [f"loomnb {rep['loomnb_version']} in vLLM {rep['vllm_version']}:"]
+    lines = [f"loomnb {rep['loomnb_version']} {_where()}:"]
     for r in rep["routes"]:
         state = "routed" if r["routed"] else "NOT routed"
         lines.append(f"  {r['vllm_op']} -> {r['loomnb_op']} via {r['mechanism']}: {state} "
