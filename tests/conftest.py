@@ -64,3 +64,16 @@ def pytest_sessionfinish(session, exitstatus):
         for f, s, sig in sorted(missing, key=str)[:20]:
             print(f"  {f.__name__}({s}) {sig}")
         session.exitstatus = 1
+
+
+@pytest.fixture(scope="session")
+def vllm_c():
+    """vLLM 0.24's compiled ops (``torch.ops._C``, ``_C_cache_ops``...) loaded from
+    ``$LOOMNB_VLLM_LIB`` (its ``_C_stable_libtorch.abi3.so``, a measuring instrument staged on the
+    GPU machine); the test is skipped, with that reason, when it is not set."""
+    path = os.environ.get("LOOMNB_VLLM_LIB")
+    if not path or not os.path.isfile(path):
+        pytest.skip("set LOOMNB_VLLM_LIB to vLLM 0.24's _C_stable_libtorch.abi3.so to compare with vLLM")
+    import torch
+    torch.ops.load_library(path)
+    return torch.ops

@@ -1,0 +1,651 @@
+"""Every public op as a generated call: one registry that the zero-size sweep
+(``tests/test_zero_size.py``), the property tests (``tests/test_fuzz.py``) and the no-recompile
+check iterate, so a new op is covered by all three once it has an entry here (and
+``test_every_op_has_a_case`` fails until it has one).
+
+A case is built in NumPy (``build(rng, dims, kind, special)`` -> ``(args, kwargs)``) and moved to
+torch for the GPU (:func:`to_device`, strides and views kept). ``dims`` are the op's named sizes
+(vLLM's vocabulary: ``num_tokens``, ``hidden_size``, ``num_heads``, ``head_size``, ``vocab_size``,
+``num_blocks``...); ``zero`` lists those a call may have at 0; ``ranges`` those the property
+tests draw. ``special`` puts NaN, +-inf, -0.0 and subnormals among the float inputs' values;
+``wide`` (a dim, 0 or 1) makes row inputs views of a wider buffer (row stride > row length).
+``compare(got, want, kind, what, mode)`` compares the op's results (outputs and mutated
+arguments) with the oracle's: bit for bit where the math is elementwise, else under the rows of
+``tests/tolerances.py`` (``mode`` "sim" or "gpu": the simulator runs the oracle's math, the GPU
+libdevice's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+
+from loomnb.layouts import paged_kv as pk
+
+from family import assert_bits
+from helpers import assert_fp8_codes, assert_ulps
+from tolerances import ulps
+
+BF16 = ml_dtypes.bfloat16
+E4M3 = ml_dtypes.float8_e4m3fn
+DT = {"bf16": BF16, "f16": np.float16, "f32": np.float32}
+ACT = ("bf16", "f16", "f32")
+
+
+@dataclasses.dataclass
+class OpCase:
+    name: str
+    family: str
+    build: object
+    dims: dict
+    zero: tuple = ()
+    ranges: dict = dataclasses.field(default_factory=dict)
+    kinds: tuple = ACT
+    compare: object = None
+    specials: bool = True      # NaN/inf/-0/subnormal inputs are part of the contract
+    recompile_dim: object = ""  # the dims a serving loop grows (batch, context): no new compile
+
+
+CASES = {}
+
+
+def case(name, family, dims, *, zero=(), ranges=None, kinds=ACT, compare=None, specials=True,
+         recompile_dim=""):
+    def deco(build):
+        CASES[name] = OpCase(name, family, build, dict(dims), tuple(zero), dict(ranges or {}),
+                             tuple(kinds), compare or compare_bits, specials, recompile_dim)
+        return build
+    return deco
+
+
+# ---------------------------------------------------------------- values
+SPECIALS = np.array([np.nan, np.inf, -np.inf, -0.0, 1e-41, -3e-39, 6e-8, 65504.0, -1e30],
+                    np.float64)
+
+
+def values(rng, shape, kind, special, scale=1.0):
+    """Random values of ``kind``; with ``special``, about one in eight replaced by NaN, +-inf,
+    -0.0, float32 subnormals, a half's largest finite, a value past half's range."""
+    v = rng.standard_normal(shape) * scale
+    if special and v.size:
+        mask = rng.random(shape) < 0.125
+        v = np.where(mask, rng.choice(SPECIALS, shape), v)
+    with np.errstate(over="ignore"):
+        return v.astype(np.float32).astype(DT[kind]) if kind in DT else v
+
+
+def rows_of(rng, T, H, kind, special, wide, scale=1.0):
+    """``[T, H]`` values, as a view of a ``[T, H + pad]`` buffer when ``wide``."""
+    pad = int(rng.integers(1, 9)) if wide else 0
+    buf = values(rng, (T, H + pad), kind, special, scale)
+    return buf[:, pad:] if wide else buf
+
+
+def f32_scalar(v):
+    return np.array([v], np.float32)
+
+
+# ---------------------------------------------------------------- comparisons
+def _leaves(x):
+    if isinstance(x, (tuple, list)):
+        for e in x:
+            yield from _leaves(e)
+    elif isinstance(x, np.ndarray):
+        yield x
+
+
+def compare_bits(got, want, kind, what, mode):
+    for i, (g, w) in enumerate(zip(_leaves(got), _leaves(want))):
+        assert_bits(g, w, f"{what}: result {i}")
+
+
+def _is_fp8(a):
+    return a.dtype in (np.dtype(E4M3), np.dtype(np.uint8))
+
+
+def compare_norm(got, want, kind, what, mode):
+    """Outputs within the norm family's row (float64 inv: bit-exact but for rows on a rounding
+    boundary), FP8 codes one step there, per-token scales one bf16 ulp (2^16 float32 ulps) --
+    at most 1e-4 of the elements, so none at the property tests' sizes."""
+    for i, (g, w) in enumerate(zip(_leaves(got), _leaves(want))):
+        if _is_fp8(g):
+            assert_fp8_codes(g, w, ulps("norm_fp8", "fp8"), f"{what}: codes")
+        elif g.dtype == np.float32 and g.dtype != np.dtype(DT[kind]):
+            assert_ulps(g, w, (1 << 16, 1e-4), f"{what}: scales")
+        else:
+            assert_ulps(g, w, ulps("norm", kind), f"{what}: result {i}")
+
+
+GATED_NAMES = ("silu", "gelu", "relu", "swiglu")
+
+
+def compare_activation(got, want, kind, what, mode):
+    """The simulator runs the oracle's math: bit for bit. On the GPU the quantisers (correctly
+    rounded division, exact multiplications) and the dequantisation stay bit for bit; the gated
+    activations run libdevice's expf/erff/tanhf, within the table's ulps -- and where one feeds
+    FP8, its code within a step and its group's scale within one bf16 ulp (2^16 float32 ulps)
+    when the flipped value is the group's amax."""
+    if mode == "sim" or not any(n in what for n in GATED_NAMES):
+        return compare_bits(got, want, kind, what, mode)
+    fam = "activation_gelu" if "gelu" in what else "activation"
+    for i, (g, w) in enumerate(zip(_leaves(got), _leaves(want))):
+        if _is_fp8(g):
+            assert_fp8_codes(g, w, ulps("activation_fp8", "fp8"), f"{what}: codes")
+        elif i > 0:
+            assert_ulps(g, w, (1 << 16, 1e-2), f"{what}: scales")
+        else:
+            assert_ulps(g, w, ulps(fam, kind), f"{what}: result {i}")
+
+
+def compare_sampling(got, want, kind, what, mode):
+    for i, (g, w) in enumerate(zip(_leaves(got), _leaves(want))):
+        if g.dtype == np.float32 and "min_p" not in what:
+            assert_ulps(g, w, ulps("sampling_logprob", "f32"), f"{what}: logprobs")
+        else:
+            assert_bits(g, w, f"{what}: result {i}")
+
+
+def compare_attention(got, want, kind, what, mode):
+    """Within the attention row of the tolerance table: ``|got - want| <= atol_rel * max|V| +
+    one ulp of the dtype`` (the oracle's value is itself rounded), NaN where the oracle has NaN;
+    the LSE within ``2^-16 (1 + |lse|)``."""
+    out_g, out_w = (got[0], want[0]) if isinstance(got, tuple) else (got, want)
+    g, w = np.asarray(out_g).astype(np.float64), np.asarray(out_w).astype(np.float64)
+    assert np.array_equal(np.isnan(g), np.isnan(w)), f"{what}: NaN positions differ"
+    ok = ~np.isnan(w)
+    vmax = max(float(np.max(np.abs(w[ok]), initial=0.0)), 1e-30)
+    ulp = {"bf16": 2.0 ** -7, "f16": 2.0 ** -10, "f32": 2.0 ** -23}[kind]
+    bound = 2.0 ** -15 * vmax + ulp * np.abs(w[ok]) + 1e-30
+    assert np.all(np.abs(g[ok] - w[ok]) <= bound), f"{what}: outside the attention tolerance"
+    if isinstance(got, tuple) and len(got) > 1 and got[1] is not None:
+        lg, lw = np.asarray(got[1], np.float64), np.asarray(want[1], np.float64)
+        fin = np.isfinite(lw)
+        assert np.array_equal(lg[~fin], lw[~fin]), f"{what}: non-finite LSE differ"
+        assert np.all(np.abs(lg[fin] - lw[fin]) <= 2.0 ** -16 * (1 + np.abs(lw[fin]))), what
+
+
+# ---------------------------------------------------------------- norm
+def _norm_inputs(rng, d, kind, special, wide):
+    T, H = d["num_tokens"], d["hidden_size"]
+    x = rows_of(rng, T, H, kind, special, wide)
+    w = values(rng, (H,), kind, False, 0.2) + np.asarray(1, DT[kind])
+    return x, w.astype(DT[kind])
+
+
+NORM_DIMS = {"num_tokens": 3, "hidden_size": 24, "wide": 0}
+NORM_RANGES = {"num_tokens": (1, 4), "hidden_size": (1, 72), "wide": (0, 1)}
+NORM = dict(zero=("num_tokens", "hidden_size"), ranges=NORM_RANGES, compare=compare_norm,
+            recompile_dim="num_tokens")
+
+
+@case("rms_norm", "norm", NORM_DIMS, **NORM)
+def _(rng, d, kind, special):
+    x, w = _norm_inputs(rng, d, kind, special, d["wide"])
+    return (x, w, 1e-6), {"rounding": str(rng.choice(["twice", "once"]))}
+
+
+@case("fused_add_rms_norm", "norm", NORM_DIMS, **NORM)
+def _(rng, d, kind, special):
+    x, w = _norm_inputs(rng, d, kind, special, d["wide"])
+    r = values(rng, x.shape, kind, special)
+    return (x, r, w, 1e-6), {"rounding": str(rng.choice(["twice", "once"]))}
+
+
+def _fp8_scale(rng):
+    return f32_scalar(float(rng.choice([0.05, 0.003, 1.7])))
+
+
+@case("rms_norm_static_fp8_quant", "norm", NORM_DIMS, **NORM)
+def _(rng, d, kind, special):
+    x, w = _norm_inputs(rng, d, kind, special, d["wide"])
+    return (x, w, _fp8_scale(rng), 1e-6), {"rounding": str(rng.choice(["twice", "once"]))}
+
+
+@case("fused_add_rms_norm_static_fp8_quant", "norm", NORM_DIMS, **NORM)
+def _(rng, d, kind, special):
+    x, w = _norm_inputs(rng, d, kind, special, d["wide"])
+    r = values(rng, x.shape, kind, special)
+    return (x, r, w, _fp8_scale(rng), 1e-6), {"rounding": str(rng.choice(["twice", "once"]))}
+
+
+@case("rms_norm_dynamic_per_token_quant", "norm", NORM_DIMS, **NORM)
+def _(rng, d, kind, special):
+    x, w = _norm_inputs(rng, d, kind, special, d["wide"])
+    ub = f32_scalar(float(rng.choice([0.5, 100.0]))) if rng.random() < 0.5 else None
+    res = values(rng, x.shape, kind, special) if rng.random() < 0.5 else None
+    return (x, w, 1e-6, ub, res), {}
+
+
+# ---------------------------------------------------------------- activation
+ACT_DIMS = {"num_tokens": 2, "d": 24, "wide": 0}
+ACT_RANGES = {"num_tokens": (1, 4), "d": (1, 40), "wide": (0, 1)}
+ACTIVATION = dict(zero=("num_tokens", "d"), ranges=ACT_RANGES, compare=compare_activation,
+                  recompile_dim="num_tokens")
+
+
+def _gated(rng, d, kind, special):
+    return rows_of(rng, d["num_tokens"], 2 * d["d"], kind, special, d["wide"], 2.0)
+
+
+for _name in ("silu_and_mul", "mul_and_silu", "gelu_and_mul", "gelu_tanh_and_mul"):
+    case(_name, "activation", ACT_DIMS, **ACTIVATION)(
+        lambda rng, d, kind, special: ((_gated(rng, d, kind, special),), {}))
+
+
+@case("fatrelu_and_mul", "activation", ACT_DIMS, **ACTIVATION)
+def _(rng, d, kind, special):
+    return (_gated(rng, d, kind, special), float(rng.choice([0.0, 0.5, -1.0]))), {}
+
+
+@case("swigluoai_and_mul", "activation", ACT_DIMS, **ACTIVATION)
+def _(rng, d, kind, special):
+    return (_gated(rng, d, kind, special), 1.702, float(rng.choice([7.0, 0.5]))), {}
+
+
+@case("silu_and_mul_quant", "activation", ACT_DIMS, **ACTIVATION)
+def _(rng, d, kind, special):
+    return (_gated(rng, d, kind, special), _fp8_scale(rng)), {}
+
+
+QUANT_DIMS = {"num_tokens": 2, "hidden_size": 40, "wide": 0}
+QUANT_RANGES = {"num_tokens": (1, 4), "hidden_size": (1, 72), "wide": (0, 1)}
+QUANT = dict(zero=("num_tokens", "hidden_size"), ranges=QUANT_RANGES, compare=compare_activation,
+             recompile_dim="num_tokens")
+
+
+def _rows(rng, d, kind, special):
+    return rows_of(rng, d["num_tokens"], d["hidden_size"], kind, special, d["wide"], 2.0)
+
+
+@case("static_scaled_fp8_quant", "activation", QUANT_DIMS, **QUANT)
+def _(rng, d, kind, special):
+    return (_rows(rng, d, kind, special), _fp8_scale(rng)), {}
+
+
+@case("dynamic_scaled_fp8_quant", "activation", QUANT_DIMS, **QUANT)
+def _(rng, d, kind, special):
+    return (_rows(rng, d, kind, special),), {}
+
+
+@case("dynamic_per_token_scaled_fp8_quant", "activation", QUANT_DIMS, **QUANT)
+def _(rng, d, kind, special):
+    ub = f32_scalar(float(rng.choice([0.5, 100.0]))) if rng.random() < 0.5 else None
+    return (_rows(rng, d, kind, special), ub), {}
+
+
+GROUP_DIMS = {"num_tokens": 2, "groups": 1, "wide": 0}
+GROUP_RANGES = {"num_tokens": (1, 3), "groups": (1, 2), "wide": (0, 1)}
+GROUP = dict(zero=("num_tokens", "groups"), ranges=GROUP_RANGES, compare=compare_activation,
+             recompile_dim="num_tokens")
+
+
+def _group_options(rng):
+    cm = bool(rng.random() < 0.3)
+    return {"eps": float(rng.choice([1e-10, 0.0])), "column_major_scales": cm,
+            "tma_aligned_scales": bool(cm and rng.random() < 0.5),
+            "use_ue8m0": bool(rng.random() < 0.4)}
+
+
+for _name in ("per_token_group_quant_fp8", "per_token_group_fp8_quant"):
+    @case(_name, "activation", GROUP_DIMS, **GROUP)
+    def _(rng, d, kind, special):
+        g = int(rng.choice([64, 128]))
+        x = rows_of(rng, d["num_tokens"], g * d["groups"], kind, special, d["wide"], 2.0)
+        return (x, g), _group_options(rng)
+
+
+@case("silu_and_mul_per_token_group_quant_fp8", "activation", GROUP_DIMS, **GROUP)
+def _(rng, d, kind, special):
+    g = int(rng.choice([64, 128]))
+    x = rows_of(rng, d["num_tokens"], 2 * g * d["groups"], kind, special, d["wide"], 2.0)
+    kw = _group_options(rng)
+    kw["numerics"] = "unfused" if kw["use_ue8m0"] or rng.random() < 0.5 else "per_block"
+    return (x, g), kw
+
+
+@case("scaled_fp8_dequant", "activation", QUANT_DIMS, **QUANT)
+def _(rng, d, kind, special):
+    T, H = d["num_tokens"], d["hidden_size"]
+    q = rng.integers(0, 256, (T, H)).astype(np.uint8).view(E4M3)
+    form = rng.integers(0, 3)
+    scale = (f32_scalar(0.1) if form == 0 else
+             (rng.random((T, 1)) + 0.01).astype(np.float32) if form == 1 or H == 0 else
+             (rng.random((T, 1 if H % 2 else 2)) + 0.01).astype(np.float32))
+    return (q, scale, DT[kind]), {}
+
+
+# ---------------------------------------------------------------- rope_cache
+ROPE_DIMS = {"num_tokens": 3, "num_heads": 2, "num_kv_heads": 1, "head_size": 16,
+             "num_blocks": 3, "block_size": 4}
+ROPE_RANGES = {"num_tokens": (1, 4), "num_heads": (1, 3), "num_kv_heads": (1, 2),
+               "head_size": (1, 3), "num_blocks": (1, 3), "block_size": (1, 4)}
+ROPE = dict(ranges=ROPE_RANGES, recompile_dim="num_tokens")
+MAX_POS = 16
+
+
+def _head_size(d):
+    """Fuzzed head sizes are 8 * 2**(i-1) ... read ``head_size`` as an index when small."""
+    h = d["head_size"]
+    return {1: 8, 2: 16, 3: 40}.get(h, h) if h else 0
+
+
+def _cos_sin(rng, rot_dim, kind):
+    inv = 1.0 / 10000.0 ** (np.arange(0, rot_dim, 2, dtype=np.float32) / max(rot_dim, 1))
+    f = np.outer(np.arange(MAX_POS, dtype=np.float32), inv).astype(np.float32)
+    cs = np.concatenate([np.cos(f), np.sin(f)], axis=-1)
+    return cs.astype(DT[kind] if rng.random() < 0.7 else np.float32)
+
+
+def _qk(rng, d, kind, special):
+    T, Hq, Hk, D = d["num_tokens"], d["num_heads"], d["num_kv_heads"], _head_size(d)
+    buf = values(rng, (T, (Hq + 2 * Hk) * D), kind, special, 2.0)
+    q, k, v = buf[:, :Hq * D], buf[:, Hq * D:(Hq + Hk) * D], buf[:, (Hq + Hk) * D:]
+    return buf, q, k, v, D
+
+
+def _positions(rng, T):
+    return rng.integers(0, MAX_POS, T).astype(np.int64)
+
+
+@case("rotary_embedding", "rope_cache", ROPE_DIMS,
+      zero=("num_tokens", "num_heads", "num_kv_heads", "head_size"), **ROPE)
+def _(rng, d, kind, special):
+    _, q, k, _, D = _qk(rng, d, kind, special)
+    rot = D if rng.random() < 0.6 or D < 4 else 2 * int(rng.integers(1, D // 2 + 1))
+    off = int(rng.integers(0, D - rot + 1)) if D else 0
+    cs = _cos_sin(rng, rot, kind)
+    return (_positions(rng, q.shape[0]), q, k, D, cs, bool(rng.random() < 0.5), off,
+            bool(rng.random() < 0.3)), {"fma": str(rng.choice(["vllm", "none"]))}
+
+
+@case("apply_rope_with_cos_sin_cache", "rope_cache", ROPE_DIMS,
+      zero=("num_tokens", "num_heads", "num_kv_heads", "head_size"), **ROPE)
+def _(rng, d, kind, special):
+    _, q, k, _, D = _qk(rng, d, kind, special)
+    rot = D if rng.random() < 0.6 or D < 4 else 2 * int(rng.integers(1, D // 2 + 1))
+    cs = _cos_sin(rng, rot, kind)
+    return (_positions(rng, q.shape[0]), q, k, D, cs, bool(rng.random() < 0.5)), {}
+
+
+def zero_along(a, axis):
+    """``a`` with dimension ``axis`` cut to 0 (a zero-size view of the same buffer)."""
+    return a[(slice(None),) * axis + (slice(0, 0),)]
+
+
+# axes of (num_blocks, block_size, num_kv_heads, head_size) in the key / value views
+_CACHE_AXES = {"flash": ((0, 1, 2, 3), (0, 1, 2, 3)), "legacy_xpacked": ((0, 3, 1, 2), (0, 3, 1, 2))}
+
+
+def _cache(rng, d, kind, layout, D, kv):
+    """One layer's key/value cache views in ``layout``, filled with garbage the op must keep; a
+    zero ``num_blocks``/``block_size``/``num_kv_heads``/``head_size`` is a zero-size view of
+    a cache allocated with that dimension at 1."""
+    Hk, nb, bs = d["num_kv_heads"], d["num_blocks"], d["block_size"]
+    cdt = DT[kind] if kv == "auto" else {"fp8": np.uint8, "fp8_e4m3": E4M3,
+                                         "fp8_e5m2": ml_dtypes.float8_e5m2}[kv]
+    dims = (nb, bs, Hk, D)
+    kvc = pk.allocate_kv_cache(layout, max(nb, 1), max(bs, 1), max(Hk, 1), D or 16, cdt,
+                               lib="numpy", fill=0)
+    kvc.view(np.uint8)[...] = rng.integers(0, 256, kvc.view(np.uint8).shape)  # garbage to keep
+    kc, vc = pk.kv_views(kvc, layout, max(Hk, 1), D or 16)
+    axes = _CACHE_AXES["legacy_xpacked" if layout == "legacy_xpacked" else "flash"]
+    for i, n in enumerate(dims):
+        if n == 0:
+            kc, vc = zero_along(kc, axes[0][i]), zero_along(vc, axes[1][i])
+    return kc, vc
+
+
+def _slots(rng, T, nb, bs):
+    n = nb * bs
+    s = rng.permutation(max(n, T))[:T] if n >= T else rng.integers(0, max(n, 1), T)
+    s = np.where(s < n, s, -1).astype(np.int64)
+    if T > 1:
+        s[int(rng.integers(0, T))] = pk.PAD_SLOT_ID
+    return s if n else np.full(T, -1, np.int64)
+
+
+def _kv_choice(rng, kind):
+    kv = str(rng.choice(["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]))
+    nscale = 1
+    return kv, f32_scalar(float(rng.uniform(0.01, 0.5))), f32_scalar(float(rng.uniform(0.01, 0.5))), nscale
+
+
+CACHE_ZERO = ("num_tokens", "num_kv_heads", "head_size", "num_blocks", "block_size")
+
+
+@case("reshape_and_cache_flash", "rope_cache", ROPE_DIMS, zero=CACHE_ZERO, **ROPE)
+def _(rng, d, kind, special):
+    _, _, k, v, D = _qk(rng, d, kind, special)
+    T, Hk = d["num_tokens"], d["num_kv_heads"]
+    layout = str(rng.choice(["interleaved_nhd", "interleaved_hnd", "split_nhd", "split_hnd"]))
+    kv, ks, vs, _ = _kv_choice(rng, kind)
+    kc, vc = _cache(rng, d, kind, layout, D, kv)
+    return (k.reshape(T, Hk, D), v.reshape(T, Hk, D), kc, vc,
+            _slots(rng, T, d["num_blocks"], d["block_size"]), kv, ks, vs), {}
+
+
+@case("reshape_and_cache", "rope_cache", ROPE_DIMS, zero=CACHE_ZERO, **ROPE)
+def _(rng, d, kind, special):
+    _, _, k, v, D = _qk(rng, d, kind, special)
+    T, Hk = d["num_tokens"], d["num_kv_heads"]
+    kv, ks, vs, _ = _kv_choice(rng, kind)
+    if D % 16:  # the x-packed key needs head_size % (16 / itemsize) == 0
+        d = dict(d, head_size=16 * -(-D // 16))
+        _, _, k, v, D = _qk(rng, d, kind, special)
+    kc, vc = _cache(rng, d, kind, "legacy_xpacked", D, kv)
+    return (k.reshape(T, Hk, D), v.reshape(T, Hk, D), kc, vc,
+            _slots(rng, T, d["num_blocks"], d["block_size"]), kv, ks, vs), {}
+
+
+@case("rotary_embedding_and_cache", "rope_cache", ROPE_DIMS, zero=CACHE_ZERO + ("num_heads",),
+      **ROPE)
+def _(rng, d, kind, special):
+    layout = str(rng.choice(pk.KV_LAYOUTS))
+    if layout == "legacy_xpacked" and _head_size(d) % 16:  # x-packing: head_size % 16 == 0
+        d = dict(d, head_size=16 * -(-_head_size(d) // 16))
+    _, q, k, v, D = _qk(rng, d, kind, special)
+    T = d["num_tokens"]
+    kv, ks, vs, _ = _kv_choice(rng, kind)
+    kc, vc = _cache(rng, d, kind, layout, D, kv)
+    cs = _cos_sin(rng, D, kind).astype(DT[kind])  # the fused op takes the query's dtype only
+    return (_positions(rng, T), q, k, v, kc, vc, _slots(rng, T, d["num_blocks"], d["block_size"]),
+            D, cs, bool(rng.random() < 0.5), kv, ks, vs), {}
+
+
+# ---------------------------------------------------------------- attention
+ATTN_DIMS = {"num_seqs": 2, "num_heads": 2, "num_kv_heads": 1, "head_size": 16,
+             "block_size": 4, "seq_len": 7}
+ATTN_RANGES = {"num_seqs": (1, 3), "num_heads": (1, 4), "num_kv_heads": (1, 2),
+               "head_size": (1, 2), "block_size": (1, 8), "seq_len": (0, 20)}
+
+
+@case("paged_decode_attention", "attention", ATTN_DIMS,
+      zero=("num_seqs", "num_heads", "num_kv_heads", "head_size", "block_size", "seq_len"),
+      ranges=ATTN_RANGES, compare=compare_attention, specials=False,
+      recompile_dim=("num_seqs", "seq_len"))
+def _(rng, d, kind, special):
+    from test_attention_cases import make_case, op_args
+    S, Hk, ratio = d["num_seqs"], d["num_kv_heads"], d["num_heads"]
+    D = {1: 16, 2: 32}.get(d["head_size"], d["head_size"])
+    zeros = [n for n in ("num_kv_heads", "num_heads", "head_size", "block_size") if d[n] == 0]
+    lens = rng.integers(0, d["seq_len"] + 1, S) if d["seq_len"] else np.zeros(S, np.int64)
+    if S and d["seq_len"]:
+        lens[0] = d["seq_len"]
+    c = make_case(int(rng.integers(0, 2 ** 31)), seq_lens=lens, num_heads=max(ratio, 1) * max(Hk, 1),
+                  num_kv_heads=max(Hk, 1), head_size=D or 16, block_size=max(d["block_size"], 1),
+                  kind=kind, cache=str(rng.choice(["auto", "fp8"])),
+                  layout="nhd" if zeros else str(rng.choice(["nhd", "hnd"])), spare_blocks=1)
+    args, kw = op_args(c, return_lse=True)
+    q, kc, vc = args[:3]
+    for n in zeros:  # a zero-size view: query [S, Hq, D], caches [nb, bs, Hk, D]
+        q = zero_along(q, {"num_kv_heads": 1, "num_heads": 1, "head_size": 2}.get(n, 3)) \
+            if n != "block_size" else q
+        if n != "num_heads":
+            ax = {"num_kv_heads": 2, "head_size": 3, "block_size": 1}[n]
+            kc, vc = zero_along(kc, ax), zero_along(vc, ax)
+    args = (q, kc, vc) + args[3:]
+    if "head_size" in zeros:
+        args = args[:5] + (1.0,)
+    if rng.random() < 0.3:
+        kw["softcap"] = 5.0
+    if rng.random() < 0.3:
+        kw["sliding_window"] = int(rng.integers(1, 8))
+    return args, kw
+
+
+MERGE_DIMS = {"num_tokens": 3, "num_heads": 2, "head_size": 8}
+
+
+@case("merge_attn_states", "attention", MERGE_DIMS, zero=("num_tokens", "num_heads", "head_size"),
+      ranges={"num_tokens": (1, 4), "num_heads": (1, 3), "head_size": (1, 24)},
+      compare=compare_attention, recompile_dim="num_tokens")
+def _(rng, d, kind, special):
+    N, H, D = d["num_tokens"], d["num_heads"], d["head_size"]
+    po, so = values(rng, (N, H, D), kind, False), values(rng, (N, H, D), kind, False)
+    pl = rng.standard_normal((H, N)).astype(np.float32) * 3
+    sl = rng.standard_normal((H, N)).astype(np.float32) * 3
+    if special and pl.size:
+        pl.flat[rng.integers(0, pl.size)] = -np.inf
+        sl.flat[rng.integers(0, sl.size)] = -np.inf
+    out = np.empty_like(po)
+    return (out, po, pl, so, sl), {}
+
+
+# ---------------------------------------------------------------- sampling
+SAMPLE_DIMS = {"num_rows": 2, "vocab_size": 37}
+SAMPLE_RANGES = {"num_rows": (1, 3), "vocab_size": (1, 70)}
+SAMPLE = dict(zero=("num_rows", "vocab_size"), ranges=SAMPLE_RANGES, compare=compare_sampling,
+              kinds=("f32", "bf16"), recompile_dim="num_rows")
+
+
+def _logits(rng, d, kind, special):
+    return values(rng, (d["num_rows"], d["vocab_size"]), kind, special, 3.0)
+
+
+def _sampler(rng):
+    return str(rng.choice(["v1", "v2"]))
+
+
+@case("greedy_sample_logprob", "sampling", SAMPLE_DIMS, **SAMPLE)
+def _(rng, d, kind, special):
+    return (_logits(rng, d, kind, special), _sampler(rng)), {}
+
+
+@case("selected_token_logprob_rank", "sampling", SAMPLE_DIMS, **SAMPLE)
+def _(rng, d, kind, special):
+    ids = rng.integers(0, d["vocab_size"] + 2, d["num_rows"]).astype(np.int64)
+    return (_logits(rng, d, kind, special), ids, _sampler(rng)), {}
+
+
+@case("top_k_logprobs", "sampling", SAMPLE_DIMS, **SAMPLE)
+def _(rng, d, kind, special):
+    k = int(rng.integers(1, max(min(d["vocab_size"], 5), 1) + 1))
+    ids = (rng.integers(0, d["vocab_size"] + 1, d["num_rows"]).astype(np.int64)
+           if rng.random() < 0.5 else None)
+    return (_logits(rng, d, kind, special), k, ids, _sampler(rng)), {}
+
+
+@case("min_p_filter_", "sampling", SAMPLE_DIMS, **dict(SAMPLE, kinds=("f32",)))
+def _(rng, d, kind, special):
+    mp = rng.choice(np.array([0.0, 0.05, 0.3, 1.0, -0.5, -1e-30, -np.inf, np.nan, 2.0],
+                             np.float32), d["num_rows"]).astype(np.float32)
+    return (_logits(rng, d, kind, special), mp, _sampler(rng)), {}
+
+
+# ---------------------------------------------------------------- spec_decode
+SPEC_DIMS = {"num_reqs": 3, "max_spec_len": 3, "vocab_size": 20}
+SPEC_RANGES = {"num_reqs": (1, 4), "max_spec_len": (1, 4), "vocab_size": (2, 40)}
+
+
+def _batch(rng, d, kind, special):
+    from test_spec_decode_oracle import make_batch
+    R, K, V = d["num_reqs"], d["max_spec_len"], d["vocab_size"]
+    counts = rng.integers(0, K + 1, R) if K else np.zeros(R, np.int64)
+    if R and K:
+        counts[0] = K
+    b = make_batch(rng, counts, K, max(V, 1), logits_dtype=DT[kind])
+    if V == 0:
+        b["target_logits"] = b["target_logits"][:, :0]
+    if special and b["target_logits"].size:
+        lg = b["target_logits"].astype(np.float32)
+        lg.flat[rng.integers(0, lg.size)] = rng.choice([np.nan, np.inf, -np.inf, -0.0])
+        b["target_logits"] = lg.astype(DT[kind])
+    if rng.random() < 0.5:
+        b["bonus_token_ids"] = b["bonus_token_ids"].astype(np.int64)
+    return b
+
+
+@case("rejection_greedy_sample", "spec_decode", SPEC_DIMS,
+      zero=("num_reqs", "max_spec_len"), ranges=SPEC_RANGES, kinds=("f32",),
+      recompile_dim="num_reqs")
+def _(rng, d, kind, special):
+    b = _batch(rng, d, kind, special)
+    return (b["draft_token_ids"], b["cu_num_draft_tokens"], b["target_argmax"],
+            b["bonus_token_ids"], b["max_spec_len"]), {}
+
+
+@case("greedy_verify", "spec_decode", SPEC_DIMS,
+      zero=("num_reqs", "max_spec_len", "vocab_size"), ranges=SPEC_RANGES,
+      kinds=("f32", "bf16", "f16"), recompile_dim="num_reqs")
+def _(rng, d, kind, special):
+    b = _batch(rng, d, kind, special)
+    return (b["draft_token_ids"], b["cu_num_draft_tokens"], b["target_logits"],
+            b["bonus_token_ids"], b["max_spec_len"]), {}
+
+
+# ---------------------------------------------------------------- moving a case to the GPU
+def to_device(x):
+    """A case's NumPy arguments as torch CUDA tensors with the same strides, views of one moved
+    buffer staying views (a q/k/v slice of one QKV buffer, a K/V view of one KV cache); dtypes
+    (NumPy or ml_dtypes) as torch dtypes; everything else unchanged."""
+    import torch
+    moved = {}
+
+    def base_of(a):
+        while isinstance(a.base, np.ndarray):
+            a = a.base
+        return a
+
+    def torch_of(buf):
+        key = id(buf)
+        if key not in moved:
+            raw = np.ascontiguousarray(buf).view(np.uint8).reshape(-1)
+            moved[key] = torch.from_numpy(raw.copy()).to("cuda")
+        return moved[key]
+
+    tdt = {np.dtype(BF16): torch.bfloat16, np.dtype(E4M3): torch.float8_e4m3fn,
+           np.dtype(ml_dtypes.float8_e5m2): torch.float8_e5m2}
+
+    def one(a):
+        if isinstance(a, type) and a in (BF16, np.float16, np.float32):
+            return {BF16: torch.bfloat16, np.float16: torch.float16, np.float32: torch.float32}[a]
+        if not isinstance(a, np.ndarray):
+            return a
+        base = base_of(a)
+        raw = torch_of(base)
+        dt = tdt.get(a.dtype) or getattr(torch, a.dtype.name)
+        off = a.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+        isz = a.itemsize
+        flat = raw.view(torch.uint8)[:base.nbytes] if base.nbytes else raw[:0]
+        t = flat.view(dt) if flat.numel() else torch.empty(0, dtype=dt, device="cuda")
+        return torch.as_strided(t, a.shape, tuple(s // isz for s in a.strides), off // isz)
+
+    if isinstance(x, dict):
+        return {k: one(v) for k, v in x.items()}
+    return tuple(one(v) for v in x)
+
+
+def to_host(x):
+    """torch results back to NumPy (bf16/FP8 as ml_dtypes), recursively."""
+    import torch
+    if isinstance(x, (tuple, list)):
+        return type(x)(to_host(e) for e in x)
+    if isinstance(x, torch.Tensor):
+        t = x.detach().cpu()
+        m = {torch.bfloat16: BF16, torch.float8_e4m3fn: E4M3, torch.float8_e5m2: ml_dtypes.float8_e5m2}
+        if t.dtype in m:
+            return t.view(torch.uint8 if t.element_size() == 1 else torch.int16).numpy().view(m[t.dtype])
+        return t.numpy()
+    return x
