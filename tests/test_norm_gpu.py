@@ -558,6 +558,27 @@ def test_read_only_and_masked_exports_are_rejected():
     assert_ulps(to_np(out), loomnb.oracle.rms_norm(to_np(x), to_np(w), EPS), ulps("norm", "f32"), "export")
 
 
+class _NullExport:
+    """An empty float32 ``[0, hidden]`` export whose data pointer is None or 0 (the CAI v3 spec
+    allows both for empty arrays)."""
+
+    def __init__(self, shape, ptr):
+        self.dtype = np.dtype(np.float32)
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": "<f4", "version": 3,
+                                         "strides": None, "data": (ptr, False), "stream": None}
+
+
+@pytest.mark.parametrize("ptr", [None, 0])
+def test_empty_exports_with_a_null_pointer_are_no_ops(ptr):
+    w = rand((4096,), "f32", seed=2)
+    y = loomnb.rms_norm(_NullExport((0, 4096), ptr), _Export(w), EPS)
+    assert tuple(y.shape) == (0, 4096)
+    q, s = loomnb.dynamic_per_token_scaled_fp8_quant(_NullExport((0, 4096), ptr))
+    g = loomnb.silu_and_mul(_NullExport((0, 8192), ptr))
+    torch.cuda.synchronize()
+    assert tuple(q.shape) == (0, 4096) and tuple(s.shape) == (0, 1) and tuple(g.shape) == (0, 4096)
+
+
 def test_row_strides_of_2_31_elements_and_more():
     """One row stride >= 2^31 elements (a 4 GiB bf16 buffer): every op equals itself on the
     same rows copied out contiguously (64-bit index arithmetic everywhere)."""
@@ -606,3 +627,33 @@ def test_check_scale_asserts_on_the_device_without_a_sync():
             "torch.cuda.synchronize()")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "assert" in (run.stderr + run.stdout).lower(), run.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- vLLM's compiled static FP8 norms
+@pytest.mark.parametrize("kind", ["bf16", "f16", "f32"])
+@pytest.mark.parametrize("num_tokens, hidden_size", [(1, 4096), (7, 576), (129, 8192), (33, 24)])
+def test_static_fp8_norms_are_byte_exact_with_vllm(vllm_c, kind, num_tokens, hidden_size):
+    """``rms_norm_static_fp8_quant`` and ``fused_add_rms_norm_static_fp8_quant`` with the default
+    ``rounding="once"`` against vLLM 0.24's compiled ops on the same inputs: the residual bit
+    for bit; the FP8 codes bit for bit except where loomnb's float64 ``inv`` and vLLM's
+    ``rsqrtf`` of a float32 sum round the normalised value differently (the plain norms' one
+    documented difference: a code one step apart on rows whose product lies on a rounding
+    boundary, <= 1e-4 of codes). Also reports how far the ``"twice"`` form is (the old default,
+    which vLLM's own test_fused_rms_norm_quant rejected)."""
+    x = rand((num_tokens, hidden_size), kind, 2.0, seed=hidden_size)
+    w = (1 + 0.1 * rand((hidden_size,), "f32", seed=3)).to(TORCH_DT[kind])
+    r = rand((num_tokens, hidden_size), kind, seed=5)
+    scale = torch.tensor([0.013], device="cuda")
+    want = torch.empty(num_tokens, hidden_size, dtype=torch.float8_e4m3fn, device="cuda")
+    vllm_c._C.rms_norm_static_fp8_quant(want, x, w, scale, EPS)
+    got = loomnb.rms_norm_static_fp8_quant(x, w, scale, EPS)
+    twice = loomnb.rms_norm_static_fp8_quant(x, w, scale, EPS, rounding="twice")
+    assert_fp8_codes(to_np(got), to_np(want), (1, 1e-4), f"static {kind}")
+    want_f, rv = torch.empty_like(want), r.clone()
+    vllm_c._C.fused_add_rms_norm_static_fp8_quant(want_f, x.clone(), rv, w, scale, EPS)
+    rl = r.clone()
+    got_f, _ = loomnb.fused_add_rms_norm_static_fp8_quant(x, rl, w, scale, EPS)
+    assert torch.equal(rl.view(torch.uint8), rv.view(torch.uint8)), "residual"
+    assert_fp8_codes(to_np(got_f), to_np(want_f), (1, 1e-4), f"fused static {kind}")
+    differ = (twice.view(torch.uint8) != want.view(torch.uint8)).float().mean().item()
+    print(f"{kind} {num_tokens}x{hidden_size}: rounding='twice' differs from vLLM on {differ:.4%} of codes")

@@ -103,6 +103,34 @@ def test_static_fp8_quant(kind, num_tokens, hidden_size):
     assert_fp8_codes(out, out_o, ulps("norm_fp8", "fp8"), "fused add static")
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rounding", ["once", "twice"])
+def test_static_fp8_rounding_modes(kind, rounding):
+    """``rounding="once"`` (the default, vLLM 0.24's compiled kernels) quantises the float32
+    ``x * inv * w``; ``"twice"`` quantises the norm rounded to the activation dtype: both
+    equal their oracle, plain and fused-add; for 16-bit inputs the two differ on some codes,
+    for float32 they are the same."""
+    rng = np.random.default_rng(5)
+    x = random_rows(rng, 3, 40, kind, 2.0)
+    w = random_rows(rng, 1, 40, kind)[0]
+    res = random_rows(rng, 3, 40, kind)
+    scale = np.array([0.01], np.float32)
+    got = loomnb.rms_norm_static_fp8_quant(x, w, scale, EPS, rounding=rounding)
+    want = loomnb.oracle.rms_norm_static_fp8_quant(x, w, scale, EPS, rounding=rounding)
+    assert_fp8_codes(got, want, ulps("norm_fp8", "fp8"), rounding)
+    (out, r), (out_o, r_o), _, _ = call_both("fused_add_rms_norm_static_fp8_quant", x, res, w,
+                                             scale, EPS, rounding=rounding)
+    assert_bits(r, r_o, "residual")
+    assert_fp8_codes(out, out_o, ulps("norm_fp8", "fp8"), f"fused {rounding}")
+    if rounding == "once":
+        assert_bits(got, loomnb.rms_norm_static_fp8_quant(x, w, scale, EPS), "the default is once")
+        big = (random_rows(np.random.default_rng(6), 64, 512, kind, 2.0),
+               random_rows(np.random.default_rng(7), 1, 512, kind)[0])
+        differ = (loomnb.oracle.rms_norm_static_fp8_quant(*big, scale, EPS).view(np.uint8) !=
+                  loomnb.oracle.rms_norm_static_fp8_quant(*big, scale, EPS, rounding="twice").view(np.uint8))
+        assert differ.any() == (kind != "f32"), "16-bit inputs: the rounding point shows"
+
+
 def test_static_scale_may_be_0d_and_out_may_be_uint8_codes():
     rng = np.random.default_rng(12)
     x, w = random_rows(rng, 2, 16, "bf16", 2.0), random_rows(rng, 1, 16, "bf16")[0]

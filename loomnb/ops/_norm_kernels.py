@@ -11,8 +11,11 @@ One thread block per row (token, or token x head for per-head q/k norms). Per ro
 * ``n = r(f(r(s * inv)) * f(w))`` (``rounding="twice"``: HF, vLLM's ``forward_native``) or
   ``r(s * inv * f(w))`` (``"once"``: vLLM 0.24's compiled ops and FlashInfer);
 * then ``out = n`` in the activation dtype, or FP8 E4M3: ``e4m3(clamp(n * (1/scale)))``
-  (``quant="static"``) or, with a per-row ``scale = max(min(amax|n|, ub)/448, 1/(448*512))``
-  written to ``scales``, ``e4m3(clamp(n / scale))`` (``"dynamic"``).
+  (``quant="static"``; with ``rounding="once"`` the float32 product ``s * inv * f(w)`` is
+  quantised directly, with no rounding to the activation dtype in between: vLLM 0.24's
+  compiled static kernels) or, with a per-row ``scale = max(min(amax|n|, ub)/448,
+  1/(448*512))`` written to ``scales``, ``e4m3(clamp(n / scale))`` (``"dynamic"``, rounded
+  twice).
 
 Two layouts of the same body. ``"cached"`` (bf16/fp16 rows of whole 16-byte units): thread
 ``t`` owns units ``t, t + nt, ..., t + (vpt-1)*nt`` of 8 elements, loads them (and the weight's)
@@ -52,7 +55,7 @@ class NormSpec:
     kind: str                 # activation dtype: bf16, f16, f32
     residual: str = "none"    # RESIDUALS
     quant: str = "none"       # QUANTS
-    rounding: str = "twice"   # ROUNDINGS (quant="none" only)
+    rounding: str = "twice"   # ROUNDINGS (quant "none" or "static")
     scale_ub: bool = False    # dynamic quant: clip the amax by scale[0]
     layout: str = "scalar"    # "scalar" or "cached" (vpt units of 16 bytes a thread)
     vpt: int = 0
@@ -62,6 +65,7 @@ class NormSpec:
         assert self.residual in RESIDUALS and self.quant in QUANTS and self.rounding in ROUNDINGS
         assert self.layout == "scalar" and self.vpt == 0 or self.vpt in CACHED_VPT
         assert self.lead in (1, 2) and not (self.layout == "cached" and self.kind == "f32")
+        assert not (self.quant == "dynamic" and self.rounding == "once")
 
 
 def argtypes(spec):
@@ -166,8 +170,8 @@ def _scalar(spec):
                 n = rnd(s * inv) * dec(weight[i])
             if QUANT == "dynamic":
                 orow[i] = f32_to_e4m3(clamp_fp8(rnd(n) / q))
-            elif QUANT == "static":
-                orow[i] = f32_to_e4m3(clamp_fp8(rnd(n) * q))
+            elif QUANT == "static":  # "once": the float32 product itself is quantised
+                orow[i] = f32_to_e4m3(clamp_fp8((n if ONCE else rnd(n)) * q))
             else:
                 orow[i] = enc(n)
             if FP32:
@@ -255,9 +259,11 @@ def _cached(spec):
                         n = vals[8 * j + k] * inv * wv[8 * j + k]
                     else:
                         n = rnd(vals[8 * j + k] * inv) * wv[8 * j + k]
-                    if QUANT != "none":
+                    if QUANT == "dynamic":
                         n = rnd(n)
                         amax = fmax_nan(amax, abs(n))
+                    elif QUANT == "static" and not ONCE:
+                        n = rnd(n)
                     vals[8 * j + k] = n
         q = float32(1.0)
         rq = float32(1.0)
@@ -293,6 +299,7 @@ def variants():
     ops = [("none", "none", "twice", False), ("none", "none", "once", False),
            ("add", "none", "twice", False), ("add", "none", "once", False),
            ("none", "static", "twice", False), ("add", "static", "twice", False),
+           ("none", "static", "once", False), ("add", "static", "once", False),
            ("none", "dynamic", "twice", False), ("none", "dynamic", "twice", True),
            ("add_fp32", "dynamic", "twice", False), ("add_fp32", "dynamic", "twice", True)]
     for kind in ("bf16", "f16", "f32"):

@@ -6,8 +6,10 @@ modes for the plain norms: ``rounding="twice"`` (default) rounds the normalised 
 activation dtype before the weight multiply, as HF transformers' ``LlamaRMSNorm``, vLLM's
 ``forward_native`` and vLLM's later kernels do; ``rounding="once"`` rounds only the product,
 ``r(x * inv * w)``, as vLLM 0.24.0's compiled ``rms_norm``/``fused_add_rms_norm`` and FlashInfer
-do (about a quarter of bf16 outputs differ between the two by one ulp). The FP8 forms round twice,
-like vLLM's quant kernels. ``docs/numerics.md`` has the family's numerics in one place.
+do (about a quarter of bf16 outputs differ between the two by one ulp). The static FP8 forms
+take the same option with vLLM 0.24's compiled kernels as the default (``"once"``: the float32
+product ``x * inv * w`` is quantised, never rounded to the activation dtype first); the dynamic
+per-token form rounds twice, like vLLM's kernel. ``docs/numerics.md`` has the family's numerics in one place.
 
 Bytes moved (the benchmark's model), per row of hidden_size H and element size b:
 ``rms_norm`` reads x and writes out (2·H·b, + H·b weight once); ``fused_add_rms_norm`` reads x
@@ -27,7 +29,7 @@ from .._dtypes import ACTIVATION_KINDS
 from ..checks import check_eps, check_kind, check_ndim, check_same_device, check_same_kind, check_shape
 from . import _contract as C
 from . import _launch as L
-from ._norm_kernels import CACHED_VPT, ROUNDINGS, NormSpec, norm_kernel
+from ._norm_kernels import CACHED_VPT, ROUNDINGS, NormSpec, argtypes, norm_kernel
 from ._torch_ops import torch_op
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_static_fp8_quant",
@@ -94,7 +96,12 @@ def _launch_norm(op, spec, out, x, residual, weight, scales, scale, eps, stream,
               L.array(scales, (num_rows,), (1,)) if scales is not None else L.absent("float32", 1),
               L.array(scale) if scale is not None else L.absent("float32", 1),
               L.f32(eps), L.i64(H)]
-    L.launch(norm_kernel, spec, num_rows, threads, params, like=x, stream=stream, key=key)
+    # a [num_tokens, num_heads, head_size] view's leading dimensions merge into one at one
+    # token (lead 1) and may not at more (lead 2): compile both (no JIT at a new num_tokens)
+    other = dataclasses.replace(spec, lead=3 - spec.lead)
+    warm = (lambda: [(norm_kernel, other, argtypes(other))]) if x.ndim > 2 else None
+    L.launch(norm_kernel, spec, num_rows, threads, params, like=x, stream=stream, key=key,
+             warm=warm)
 
 
 def _storage(kind):
@@ -231,14 +238,19 @@ def fused_add_rms_norm(x, residual, weight, eps, *, rounding="twice", stream=Non
     return x, residual
 
 
-@torch_op("Tensor x, Tensor weight, Tensor scale, float eps, *, bool check_scale=False",
-          outputs=("out",), fake=_fake_fp8)
-def rms_norm_static_fp8_quant(x, weight, scale, eps, *, out=None, check_scale=False, stream=None):
-    """RMSNorm then static FP8 E4M3 quantisation: ``out = e4m3(clamp(f(y) * (1/scale), +-448))``.
+@torch_op("Tensor x, Tensor weight, Tensor scale, float eps, *, bool check_scale=False, "
+          "str rounding='once'", outputs=("out",), fake=_fake_fp8)
+def rms_norm_static_fp8_quant(x, weight, scale, eps, *, out=None, check_scale=False,
+                              rounding="once", stream=None):
+    """RMSNorm then static FP8 E4M3 quantisation: ``out = e4m3(clamp(n * (1/scale), +-448))``.
 
-    ``y`` is :func:`rms_norm`'s result (rounded twice, to ``x``'s dtype); ``1/scale`` is computed
-    once in float32 and multiplied (vLLM's static kernels do not divide). Units: stored =
-    real / scale.
+    ``rounding="once"`` (default, vLLM 0.24's compiled kernel): ``n = f(x) * inv * f(weight)``
+    in float32, quantised directly -- one rounding, to FP8. ``rounding="twice"``: ``n =
+    f(rms_norm(x))``, rounded twice to ``x``'s dtype first (HF's norm, then a quantiser: vLLM's
+    ``forward_native`` followed by ``static_scaled_fp8_quant``). ``inv`` as :func:`rms_norm`;
+    ``1/scale`` is computed once in float32 and multiplied (vLLM's static kernels do not
+    divide). Units: stored = real / scale. The two forms differ by one FP8 code step on about
+    2% of bf16 outputs (0.04% of fp16); for float32 inputs they are the same.
 
     Args:
         x: ``[..., hidden_size]`` bf16/fp16/fp32, rows as :func:`rms_norm`; not modified.
@@ -250,6 +262,7 @@ def rms_norm_static_fp8_quant(x, weight, scale, eps, *, out=None, check_scale=Fa
         check_scale: opt-in check that ``scale`` is finite and > 0 without a host sync (torch:
             a device-side assert, which ends the CUDA context when it fires; see
             ``_contract.assert_positive_finite``). Off by default, as vLLM never checks.
+        rounding: ``"once"`` (default) or ``"twice"``, see above.
         stream: as :func:`rms_norm`.
 
     Returns ``out``. Mutates ``out``. A NaN becomes +448 (``fminf``/``fmaxf`` clamp), like vLLM.
@@ -260,45 +273,53 @@ def rms_norm_static_fp8_quant(x, weight, scale, eps, *, out=None, check_scale=Fa
     """
     if ad.is_compiling():
         return rms_norm_static_fp8_quant.traced(x=x, weight=weight, scale=scale, eps=eps, out=out,
-                                                check_scale=check_scale, stream=stream)
-    k = (L.key("rms_norm_static_fp8_quant", (eps,), x, weight, scale, out)
+                                                check_scale=check_scale, rounding=rounding,
+                                                stream=stream)
+    k = (L.key("rms_norm_static_fp8_quant", (eps, rounding), x, weight, scale, out)
          if stream is None and check_scale is False else None)
     if k is not None and (hit := L.replay(k)) is not None:
         return out if out is not None else hit[0]
     op = "loomnb.rms_norm_static_fp8_quant"
     xa, wa, eps = _inputs(op, x, weight, eps)
+    C.choice(op, "rounding", rounding, ROUNDINGS)
     sa = C.one_element(op, "scale", scale, xa)
     if check_scale:
         C.assert_positive_finite(op, "scale", sa)
     oa = C.output(op, "out", out, like=xa, kind=("fp8", "u8") if out is not None else "fp8",
                   shape=xa.shape)
     C.no_overlap(op, {"out": oa}, {"x": xa, "weight": wa, "scale": sa})
-    _launch_norm(op, NormSpec(xa.kind, quant="static"), oa, xa, None, wa, None, sa, eps, stream, k)
+    _launch_norm(op, NormSpec(xa.kind, quant="static", rounding=rounding), oa, xa, None, wa, None,
+                 sa, eps, stream, k)
     return oa.obj
 
 
 @torch_op("Tensor x, Tensor(a!) residual, Tensor weight, Tensor scale, float eps, *, "
-          "bool check_scale=False", outputs=("out",), returns=("out", "residual"), fake=_fake_fp8)
+          "bool check_scale=False, str rounding='once'", outputs=("out",),
+          returns=("out", "residual"), fake=_fake_fp8)
 def fused_add_rms_norm_static_fp8_quant(x, residual, weight, scale, eps, *, out=None,
-                                        check_scale=False, stream=None):
-    """Residual add, RMSNorm, static FP8: ``residual <- z = r(x + residual)``,
-    ``out = e4m3(clamp(f(rms_norm(z)) * (1/scale)))``. ``x`` is **not** modified.
+                                        check_scale=False, rounding="once", stream=None):
+    """Residual add, RMSNorm, static FP8: ``residual <- z = r(x + residual)``, ``out =
+    e4m3(clamp(n * (1/scale)))`` with ``n`` of the rounded sum ``z`` as in
+    :func:`rms_norm_static_fp8_quant` (``rounding="once"``, default: ``f(z) * inv * f(weight)``
+    in float32; ``"twice"``: ``f(rms_norm(z))``). ``x`` is **not** modified.
 
-    Shapes, dtypes, scale, ``check_scale`` and errors as :func:`rms_norm_static_fp8_quant` and
-    :func:`fused_add_rms_norm`. Returns ``(out, residual)``; mutates ``out`` and ``residual``.
+    Shapes, dtypes, scale, ``check_scale``, ``rounding`` and errors as
+    :func:`rms_norm_static_fp8_quant` and :func:`fused_add_rms_norm`. Returns ``(out, residual)``; mutates ``out`` and ``residual``.
     Matches vLLM ``torch.ops._C.fused_add_rms_norm_static_fp8_quant(out, input, residual,
     weight, scale, epsilon)``.
     """
     if ad.is_compiling():
         return fused_add_rms_norm_static_fp8_quant.traced(
             x=x, residual=residual, weight=weight, scale=scale, eps=eps, out=out,
-            check_scale=check_scale, stream=stream)
-    k = (L.key("fused_add_rms_norm_static_fp8_quant", (eps,), x, residual, weight, scale, out)
+            check_scale=check_scale, rounding=rounding, stream=stream)
+    k = (L.key("fused_add_rms_norm_static_fp8_quant", (eps, rounding), x, residual, weight, scale,
+               out)
          if stream is None and check_scale is False else None)
     if k is not None and (hit := L.replay(k)) is not None:
         return (out if out is not None else hit[0]), residual
     op = "loomnb.fused_add_rms_norm_static_fp8_quant"
     xa, wa, eps = _inputs(op, x, weight, eps)
+    C.choice(op, "rounding", rounding, ROUNDINGS)
     sa = C.one_element(op, "scale", scale, xa)
     if check_scale:
         C.assert_positive_finite(op, "scale", sa)
@@ -307,8 +328,8 @@ def fused_add_rms_norm_static_fp8_quant(x, residual, weight, scale, eps, *, out=
     oa = C.output(op, "out", out, like=xa, kind=("fp8", "u8") if out is not None else "fp8",
                   shape=xa.shape)
     C.no_overlap(op, {"out": oa, "residual": ra}, {"x": xa, "weight": wa, "scale": sa})
-    _launch_norm(op, NormSpec(xa.kind, residual="add", quant="static"), oa, xa, ra, wa, None, sa,
-                 eps, stream, k)
+    _launch_norm(op, NormSpec(xa.kind, residual="add", quant="static", rounding=rounding), oa, xa,
+                 ra, wa, None, sa, eps, stream, k)
     return oa.obj, residual
 
 
@@ -357,7 +378,9 @@ def rms_norm_dynamic_per_token_quant(x, weight, eps, scale_ub=None, residual=Non
     if check_scale and ua is not None:
         C.assert_positive_finite(op, "scale_ub", ua)
     ra = _residual(op, xa, residual) if residual is not None else None
-    num_rows = xa.size // max(xa.shape[-1], 1)
+    num_rows = 1
+    for n in xa.shape[:-1]:
+        num_rows *= n
     oa = C.output(op, "out", out, like=xa, kind=("fp8", "u8") if out is not None else "fp8",
                   shape=xa.shape)
     sa = C.output(op, "scales", scales, like=xa, kind="f32", shape=(num_rows, 1))

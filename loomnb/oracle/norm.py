@@ -5,7 +5,9 @@ With ``f`` = widen to float32 and ``r`` = round to the activation dtype T (:func
 * ``rms_norm``: ``inv = 1 / sqrt(sum(f(x)^2) / H + eps)``, ``y = r(f(r(f(x)*inv)) * f(w))``
   (``rounding="twice"``) or ``y = r(f(x) * inv * f(w))`` (``"once"``);
 * ``fused_add_rms_norm``: ``z = r(f(x) + f(residual))``; residual <- z; x <- rms_norm(z);
-* static FP8: ``q = e4m3(clamp(f(y) * (1/scale)))``, the fused-add form normalises z;
+* static FP8: ``q = e4m3(clamp(n * (1/scale)))`` with ``n = f(x) * inv * f(w)`` in float32
+  (``rounding="once"``, vLLM 0.24's compiled kernels) or ``n = f(y)``, ``y`` the rounded-twice
+  norm (``"twice"``); the fused-add form normalises z;
 * dynamic per-token FP8: ``s = f(x) [+ f(residual)]`` kept in fp32 (residual <- r(s)),
   ``n = f(r(f(r(s*inv)) * f(w)))``, ``scale = max(min(amax(|n|), scale_ub)/448, 1/(448*512))``,
   ``q = e4m3(clamp(n / scale))`` with a true division.
@@ -21,15 +23,14 @@ so the signatures equal the ops'. Rows are the flattened leading dimensions.
 import numpy as np
 
 from .fp8 import clamp_fp8, e4m3_encode, scale_from_amax
-from .numerics import to_dtype
+from .numerics import as_rows, to_dtype
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_static_fp8_quant",
            "fused_add_rms_norm_static_fp8_quant", "rms_norm_dynamic_per_token_quant"]
 
 
 def _rows(a):
-    a = np.asarray(a)
-    return a.reshape(-1, a.shape[-1])
+    return as_rows(a)
 
 
 def _inv_rms(s, eps):
@@ -70,28 +71,35 @@ def fused_add_rms_norm(x, residual, weight, eps, *, rounding="twice", stream=Non
     return x, residual
 
 
-def rms_norm_static_fp8_quant(x, weight, scale, eps, *, out=None, stream=None):
+def rms_norm_static_fp8_quant(x, weight, scale, eps, *, out=None, check_scale=False,
+                              rounding="once", stream=None):
     """Reference ``rms_norm_static_fp8_quant``: FP8 E4M3 ``out`` (allocated when None)."""
     x = np.asarray(x)
-    y = _normed(_rows(x).astype(np.float32), weight, eps, x.dtype).astype(np.float32)
+    s = _rows(x).astype(np.float32)
+    if rounding == "once":
+        with np.errstate(invalid="ignore", over="ignore"):
+            y = s * _inv_rms(s, eps) * np.asarray(weight).astype(np.float32)
+    else:
+        y = _normed(s, weight, eps, x.dtype).astype(np.float32)
     inv_s = np.float32(1.0) / np.float32(np.asarray(scale, dtype=np.float32).reshape(-1)[0])
     with np.errstate(invalid="ignore", over="ignore"):
         codes = e4m3_encode(clamp_fp8(y * inv_s)).reshape(x.shape)
     return _put_fp8(out, codes)
 
 
-def fused_add_rms_norm_static_fp8_quant(x, residual, weight, scale, eps, *, out=None, stream=None):
+def fused_add_rms_norm_static_fp8_quant(x, residual, weight, scale, eps, *, out=None,
+                                        check_scale=False, rounding="once", stream=None):
     """Reference fused-add static FP8: residual <- z = r(x + residual); out <- quant(rms_norm(z)).
 
     ``x`` is not modified. Returns ``(out, residual)``.
     """
     z = to_dtype(x.astype(np.float32) + residual.astype(np.float32), x.dtype)
     residual[...] = z
-    return rms_norm_static_fp8_quant(z, weight, scale, eps, out=out), residual
+    return rms_norm_static_fp8_quant(z, weight, scale, eps, out=out, rounding=rounding), residual
 
 
 def rms_norm_dynamic_per_token_quant(x, weight, eps, scale_ub=None, residual=None, *,
-                                     out=None, scales=None, stream=None):
+                                     out=None, scales=None, check_scale=False, stream=None):
     """Reference dynamic per-token FP8 RMSNorm: returns ``(out, scales)``.
 
     ``out`` FP8 E4M3 ``[..., hidden_size]``, ``scales`` float32 ``[num_rows, 1]``; with
@@ -102,7 +110,8 @@ def rms_norm_dynamic_per_token_quant(x, weight, eps, scale_ub=None, residual=Non
     if residual is not None:
         s = s + _rows(residual).astype(np.float32)
     n = _normed(s, weight, eps, x.dtype).astype(np.float32)
-    amax = np.max(np.where(np.isnan(n), np.float32(0), np.abs(n)), axis=-1, keepdims=True)
+    amax = np.max(np.where(np.isnan(n), np.float32(0), np.abs(n)), axis=-1, keepdims=True,
+                  initial=np.float32(0))
     row_scale = scale_from_amax(amax, scale_ub)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         codes = e4m3_encode(clamp_fp8(n / row_scale)).reshape(x.shape)
