@@ -279,6 +279,36 @@ def test_ue8m0_case_from_the_issue():
     assert s[0, 0] == np.float32(300.0) / np.float32(448.0) and q.view(np.uint8)[0, 0] == 0x7E
 
 
+@pytest.mark.parametrize("use_ue8m0", [False, True])
+@pytest.mark.parametrize("eps", [1e-10, 0.0])
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_group_quant_inf_nan_and_tiny_groups_agree_with_the_oracle(use_ue8m0, eps):
+    """The issue's cases, in every mode: a group holding +inf (scale +inf, UE8M0 too: the
+    simulator's helper raised OverflowError), -inf, NaN, all-NaN, and a group of tiny values
+    with eps = 0 (a subnormal scale whose reciprocal is inf: true division, zeros stay zeros);
+    plain and fused (SiLU of the same values with a multiplier of 1)."""
+    x = np.zeros((6, 128), np.float32)
+    x[0, :3] = [np.inf, 1.0, -0.0]
+    x[1, 5] = -np.inf
+    x[2, :2] = [np.nan, 3.0]
+    x[3, :] = np.nan
+    x[4, :4] = [6.3e-38, -6.3e-38, 3e-38, -0.0]
+    x[5, :3] = [300.0, -1.5, 0.1]
+    for kind in ("f32", "bf16"):
+        xk = x.astype(BF16) if kind == "bf16" else x
+        got = loomnb.per_token_group_quant_fp8(xk, 128, eps=eps, use_ue8m0=use_ue8m0)
+        want = loomnb.oracle.per_token_group_quant_fp8(xk, 128, eps=eps, use_ue8m0=use_ue8m0)
+        assert_bits(got[0], want[0], f"{kind} codes")
+        assert_bits(got[1], want[1], f"{kind} scales")
+        assert got[1][0, 0] == np.inf
+        fused = np.concatenate([xk, np.ones_like(xk)], axis=1)
+        got = loomnb.silu_and_mul_per_token_group_quant_fp8(fused, 128, eps=eps, use_ue8m0=use_ue8m0)
+        want = loomnb.oracle.silu_and_mul_per_token_group_quant_fp8(fused, 128, eps=eps,
+                                                                     use_ue8m0=use_ue8m0)
+        assert_bits(got[0], want[0], f"{kind} fused codes")
+        assert_bits(got[1], want[1], f"{kind} fused scales")
+
+
 def test_inf_inputs():
     x = np.array([[np.inf, -np.inf, 1.0, 0.0] * 16], np.float32).astype(BF16)
     for name, args in (("dynamic_scaled_fp8_quant", ()), ("dynamic_per_token_scaled_fp8_quant", ()),

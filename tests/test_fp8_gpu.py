@@ -14,17 +14,20 @@ from loomnb.ops import _fp8
 pytestmark = pytest.mark.gpu
 
 
+@cuda.jit
+def _divide(a, b, out, ref):
+    """``out = div_rn(a, b, RN(1/b))`` and ``ref = a / b`` (IEEE ``div.rn.f32``)."""
+    i = cuda.grid(1)
+    if i < a.shape[0]:
+        rb = float32(1.0) / b[i]
+        out[i] = _fp8.div_rn(a[i], b[i], rb)
+        ref[i] = a[i] / b[i]
+
+
 def test_reciprocal_division_equals_ieee_division_signed_zeros_included():
     """div_rn (Markstein's correction from RN(1/b)) equals a true float32 division bit for bit,
     -0.0 numerators and tiny quotients that round to zero included."""
-    @cuda.jit
-    def k(a, b, out, ref):
-        i = cuda.grid(1)
-        if i < a.shape[0]:
-            rb = float32(1.0) / b[i]
-            out[i] = _fp8.div_rn(a[i], b[i], rb)
-            ref[i] = a[i] / b[i]
-
+    k = _divide
     rng = np.random.default_rng(0)
     n = 1 << 22
     amax = rng.uniform(1e-3, 1e3, n).astype(np.float32)
@@ -41,6 +44,51 @@ def test_reciprocal_division_equals_ieee_division_signed_zeros_included():
     o, r = out.copy_to_host(), ref.copy_to_host()
     assert np.array_equal(o.view(np.uint32), r.view(np.uint32))
     assert (o[2000:3000].view(np.uint32) == 0x80000000).all() and (o[4000:5000].view(np.uint32) == 0x80000000).all()
+
+
+def test_division_by_scales_outside_the_normal_range_and_overflowing_quotients():
+    """The divisors Markstein's correction cannot take -- subnormal (a group of tiny values with
+    eps = 0: amax 6.3e-38 / 448), zero, huge, infinite, NaN -- and quotients that overflow
+    (a scale_ub far below the amax) give IEEE's quotient, bit for bit."""
+    k = _divide
+    rng = np.random.default_rng(1)
+    n = 1 << 16
+    a = (rng.standard_normal(n) * 10.0 ** rng.uniform(-40, 38, n)).astype(np.float32)
+    b = np.empty(n, np.float32)
+    q = n // 8
+    b[:q] = np.float32(6.3e-38) / np.float32(448.0)                      # subnormal scale
+    b[q:2 * q] = rng.uniform(1e-45, 1.2e-38, q).astype(np.float32)      # any subnormal
+    b[2 * q:3 * q] = rng.choice(np.array([0.0, -0.0, np.inf, -np.inf, np.nan], np.float32), q)
+    b[3 * q:4 * q] = rng.uniform(1e37, 3e38, q).astype(np.float32)      # huge: 1/b subnormal
+    b[4 * q:5 * q] = np.float32(1 / 448.0)                              # quotients overflow ...
+    a[4 * q:5 * q] = rng.choice(np.array([3e38, -3e38, 1e36, -1e37], np.float32), q)
+    b[5 * q:] = rng.uniform(2.0 ** -124, 2.0 ** 124, n - 5 * q).astype(np.float32)
+    a[:q:7] = -0.0
+    out, ref = cuda.device_array(n, np.float32), cuda.device_array(n, np.float32)
+    k[(n + 255) // 256, 256](cuda.to_device(a), cuda.to_device(b), out, ref)
+    o, r = out.copy_to_host(), ref.copy_to_host()
+    same = (o.view(np.uint32) == r.view(np.uint32)) | (np.isnan(o) & np.isnan(r))
+    assert same.all(), f"{int((~same).sum())} quotients differ; first: a={a[~same][:3]}, b={b[~same][:3]}"
+
+
+def test_group_quant_of_a_tiny_group_with_eps_zero_and_an_inf_group():
+    """The issue's Qwen3.5 expert: amax 6.3e-38 with eps = 0 gives a subnormal scale whose
+    reciprocal is inf; the codes must equal the oracle's true division (zeros stay 0x00, not
+    0xFE). A group holding +inf gets scale +inf (UE8M0 too), as the oracle."""
+    import torch
+    import loomnb
+    x = torch.zeros(2, 128, dtype=torch.float32, device="cuda")
+    x[0, :5] = torch.tensor([6.3e-38, -6.3e-38, 3e-38, 0.0, -0.0])
+    x[1, 3] = float("inf")
+    x[1, 4] = -2.0
+    for ue8m0 in (False, True):
+        q, s = loomnb.per_token_group_quant_fp8(x, 128, eps=0.0, use_ue8m0=ue8m0)
+        wq, ws = loomnb.oracle.per_token_group_quant_fp8(x.cpu().numpy(), 128, eps=0.0,
+                                                         use_ue8m0=ue8m0)
+        assert np.array_equal(q.view(torch.uint8).cpu().numpy(), np.asarray(wq).view(np.uint8)), ue8m0
+        assert np.array_equal(s.cpu().numpy().view(np.uint32), np.asarray(ws).view(np.uint32)), ue8m0
+        assert q.view(torch.uint8)[0, 5:].eq(0).all(), "zeros of a tiny group encode as 0x00"
+        assert s[1, 0].item() == float("inf")
 
 
 def test_every_fp8_encoder_keeps_the_sign_of_zero_and_clamps_nan():

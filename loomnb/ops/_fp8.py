@@ -9,8 +9,6 @@ quant) and -448 where it clamps with ``fmaxf`` first (``clamp_fp8_nan_low``: gro
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import cuda, float32
 
@@ -21,6 +19,7 @@ from ._reduce import fmax_nan, fmin_nan
 _MAX = float(FP8_MAX)
 _MIN_SCALE = float(FP8_MIN_SCALE)
 _UE8M0_FLOOR = float(UE8M0_FLOOR)
+_DIV_LO, _DIV_HI = 2.0 ** -125, 2.0 ** 125  # divisors for which div_rn's FMA correction is exact
 
 if SIM:
     @device
@@ -40,9 +39,11 @@ if SIM:
 
     @device
     def ue8m0(s):
-        """``exp2f(ceilf(log2f(max(s, 1e-10))))``: log2 rounded to float32 first, as log2f."""
-        v = np.float32(s) if s > np.float32(_UE8M0_FLOOR) else np.float32(_UE8M0_FLOOR)
-        return np.float32(2.0 ** math.ceil(np.float32(math.log2(v))))
+        """``exp2f(ceilf(log2f(fmaxf(s, 1e-10))))``: log2 rounded to float32 first, as log2f;
+        NumPy's functions so that an infinite scale gives +inf (as on the GPU) and a NaN one the
+        floor's power of two (``fmaxf`` drops the NaN)."""
+        v = np.fmax(np.float32(s), np.float32(_UE8M0_FLOOR))
+        return np.float32(np.exp2(np.ceil(np.float32(np.log2(np.float64(v))))))
 else:
     from numba.cuda import libdevice
 
@@ -62,15 +63,20 @@ else:
     def div_rn(a, b, rb):
         """``a / b`` correctly rounded, from ``rb = RN(1/b)`` (computed once per row or group):
         one correction step with exact FMA remainders (Markstein's theorem), which avoids a full
-        ``div.rn.f32`` per element. When the remainder is zero the quotient ``q`` is exact and
-        is returned as is: the correction ``fma(+0, rb, -0)`` would turn -0.0 into +0.0. When the
-        remainder is NaN -- ``b`` infinite (``rb = 0``: ``q`` is the signed zero, or NaN for
-        infinite ``a``), ``b`` zero (``rb`` infinite: ``q`` is +-inf or NaN) or ``a`` infinite --
-        ``q`` already is IEEE's quotient.
-        ``tests/test_fp8_gpu.py`` checks it against IEEE division, signed zeros included."""
+        ``div.rn.f32`` per element. The theorem needs ``b`` and ``1/b`` normal and the quotient
+        finite: a scale outside ``[2^-125, 2^125]`` (subnormal, zero, huge, infinite or NaN --
+        a group of tiny values with ``eps = 0``, an unchecked ``scale_ub``) takes IEEE's
+        ``div.rn.f32`` instead (the branch is uniform: one scale per row or group), and a
+        quotient that overflows returns the signed infinity ``a * rb``. When the remainder is
+        zero the quotient is exact and returned as is: the correction ``fma(+0, rb, -0)`` would
+        turn -0.0 into +0.0; when it is NaN (``a`` infinite) the quotient already is IEEE's.
+        ``tests/test_fp8_gpu.py`` checks it against IEEE division, signed zeros, subnormal and
+        huge divisors included."""
+        if not (abs(b) >= float32(_DIV_LO) and abs(b) <= float32(_DIV_HI)):
+            return a / b
         q = a * rb
         r = cuda.fma(-q, b, a)
-        if not abs(r) > float32(0):  # r zero (q exact) or NaN (b or q infinite or zero)
+        if not abs(r) > float32(0) or not abs(q) < float32(np.inf):  # q exact, or a / b not finite
             return q
         return cuda.fma(r, rb, q)
 

@@ -51,7 +51,7 @@ def ue8m0(s):
     """``exp2f(ceilf(log2f(max(s, 1e-10))))``: log2 correctly rounded to float32 before the
     ceiling (so a scale just above a power of two can round down to it), never "the next power
     of two from the exponent bits"."""
-    s = np.maximum(np.asarray(s, dtype=np.float32), UE8M0_FLOOR)
+    s = np.fmax(np.asarray(s, dtype=np.float32), UE8M0_FLOOR)  # fmaxf: a NaN gives the floor
     lg = np.log2(s.astype(np.float64)).astype(np.float32)
     return np.exp2(np.ceil(lg)).astype(np.float32)
 
