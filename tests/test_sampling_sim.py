@@ -241,3 +241,22 @@ def test_outputs_given_empty_batch_and_counters_reset():
     before = x.copy()
     run(3, 32, lambda: loomnb.top_k_logprobs(x, 2))
     assert_bits(x, before, "logits are not modified")
+
+
+@pytest.mark.parametrize("sampler", ["v1", "v2"])
+def test_min_p_outside_zero_one_is_applied_whole_or_not_at_all(sampler):
+    """The issue's case: a negative min_p (-0.5, -1e-30, -inf) or NaN masks nothing in either
+    sampler -- V2's log(min_p) is NaN there, which the simulator's math.log used to raise on
+    after row 0 was masked -- and min_p > 1 or +inf masks everything but nothing below the
+    maximum survives; every row is written or not as a whole, as the oracle."""
+    rng = np.random.default_rng(3)
+    x = logits(rng, 8, 37)
+    mp = np.array([0.3, -0.5, 0.2, -1e-30, -np.inf, np.nan, 2.0, np.inf], np.float32)
+    got = x.copy()
+    run(2, 32, lambda: loomnb.min_p_filter_(got, mp, sampler))
+    want = x.copy()
+    loomnb.oracle.min_p_filter_(want, mp, sampler)
+    assert_bits(got, want, "oracle")
+    for r in (1, 3, 4, 5):
+        assert_bits(got[r], x[r], f"min_p = {mp[r]} masks nothing")
+    assert (got[0] == -np.inf).any() and (got[2] == -np.inf).any(), "rows 0 and 2 were masked"

@@ -519,6 +519,19 @@ def logprob_kernel(spec):
 
 # ---------------------------------------------------------------- Min-P
 @device
+def log_min_p(mp):
+    """``log(min_p)`` in float64 for every float ``min_p``: ``-inf`` at 0, ``+inf`` at ``+inf``,
+    NaN for a negative or NaN ``min_p`` (V2's threshold is then NaN and masks nothing, as a
+    negative ``min_p`` does in V1). Python's ``math.log`` raises there, so the simulator needs
+    the branches; on the GPU they give what ``log`` gives."""
+    if mp > 0:
+        return math.log(mp)
+    if mp == 0:
+        return -math.inf
+    return math.nan
+
+
+@device
 def _fetch_units(lr, ub, nt, u1, wv):
     """Units ``ub + j*nt`` (``j < MIN_P_UPT``) of a row into ``wv``, every load issued before any
     is used; a unit past ``u1`` reads as four ``-inf``."""
@@ -603,7 +616,7 @@ def min_p_kernel(spec):
             S32 = float32(s)
             thr = float32(float32(float32(1) / S32) * mp)
         else:
-            thr = float32(m + float32(math.log(float64(mp))))
+            thr = float32(m + float32(log_min_p(float64(mp))))
         if VEC:
             u1 = hi // 4
             for ub in range(lo // 4 + tid, u1, MIN_P_UPT * nt):
