@@ -116,6 +116,24 @@ def chunk_upts(spec):
     return CHUNK_UPTS[:2] if spec.act != "none" and spec.quant == "group" else CHUNK_UPTS
 
 
+def size_siblings(spec):
+    """The ``(factory, spec, argtypes)`` a call of another num_tokens could launch instead of
+    ``spec``: its other widths (units a thread; per-token: the register widths and the reread
+    loop), and for the per-tensor amax pass the fold of its partials and the quant pass at
+    every width. Compiled together with ``spec`` (``_launch.launch(warm=)``)."""
+    import dataclasses
+    if spec.quant == "amax":
+        tensor = dataclasses.replace(spec, quant="tensor", upt=CHUNK_UPTS[0])
+        out = [ActSpec("f32", "none", "amax", layout="scalar", upt=1)]
+        out += [dataclasses.replace(tensor, upt=u) for u in chunk_upts(tensor)]
+    elif spec.quant == "token":
+        out = [dataclasses.replace(spec, upt=u)
+               for u in ((TOKEN_UPT + (0,)) if spec.layout == "vector" else (0,))]
+    else:
+        out = [dataclasses.replace(spec, upt=u) for u in chunk_upts(spec)]
+    return [(act_quant_kernel, s, argtypes(s)) for s in out if s != spec]
+
+
 def argtypes(spec):
     """The numba signature of ``act_quant_kernel(spec)``'s parameters."""
     vec = spec.layout == "vector"

@@ -13,6 +13,11 @@ and the eager fast path that replays a remembered launch.
   PTX test checks against each family's declared variants.
 * **Launch.** :func:`launch` runs on the caller's stream (see ``loomnb._adapter``), on the
   array's device, with the parameters packed once into a ``PreparedLaunch``.
+* **Siblings compile together.** A family whose launch rule picks a variant from the call's
+  size (units a thread, a block's row view, heads a CTA, a split-K merge) passes ``warm=``, the
+  variants another size of the same call could pick: the first launch of a variant on a device
+  compiles them all, so a serving loop whose batch or context grows never stops for a JIT
+  compile mid-run (``tests/test_recompile_gpu.py`` checks every op).
 * **Eager fast path.** With a ``key`` (see :func:`key`), the launch is remembered; a later call
   whose key is equal -- same data pointers, shapes, strides, dtypes and scalars, so the same
   checks would pass and the same parameters be packed -- replays it with :func:`replay`: one
@@ -184,15 +189,39 @@ def launched():
     return set(_launched)
 
 
+_warmed = set()  # (factory, spec, argtypes, device) whose siblings are compiled
+
+
+def _warm(factory, spec, sig, device, warm):
+    """Compile ``warm()``'s ``(factory, spec, argtypes)`` on ``device`` once, the first time
+    ``(factory, spec, sig)`` launches there. The simulator compiles nothing: it records them
+    with the launched variants, so the simulator pass checks that each is declared in its
+    family's ``variants()`` (and so compiled by the PTX test)."""
+    k = (factory, spec, sig, device)
+    if k in _warmed:
+        return
+    _warmed.add(k)
+    for f2, s2, sig2 in warm():
+        if SIM:
+            _launched.add((f2, s2, tuple(sig2)))
+        else:
+            kernel(f2, s2, tuple(sig2)).compile(device)
+
+
 # ---------------------------------------------------------------- the launch
-def launch(factory, spec, grid, block, params, *, like, stream=None, key=None, part=(0, 1)):
+def launch(factory, spec, grid, block, params, *, like, stream=None, key=None, part=(0, 1),
+           warm=None):
     """Launch ``factory(spec)`` over ``grid`` x ``block`` with ``params`` on ``like``'s device,
     on ``stream`` (default: the caller's current stream). ``key`` (from :func:`key`): remember
     the prepared launch for :func:`replay`. ``part=(i, n)``: this is launch ``i`` of the ``n``
-    launches one call makes under ``key``; the last one stores them all for the replay."""
+    launches one call makes under ``key``; the last one stores them all for the replay.
+    ``warm``: a callable giving the ``(factory, spec, argtypes)`` a call of another size could
+    launch instead, compiled with this one (see the module docstring)."""
     sig = argtypes(params)
     k = kernel(factory, spec, sig)
     _launched.add((factory, spec, sig))
+    if warm is not None:
+        _warm(factory, spec, sig, like.device, warm)
     if SIM:
         k[grid, block](*[p.sim_value() for p in params])
         return

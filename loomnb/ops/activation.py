@@ -42,7 +42,7 @@ from . import _contract as C
 from . import _launch as L
 from ._activation_kernels import (AMAX_UPT, DEQUANT_EPT, GROUP_SIZES, NUMERICS, TOKEN_UPT, UNIT,
                                   ActSpec, DequantSpec, act_quant_kernel, chunk_upts,
-                                  dequant_kernel)
+                                  dequant_kernel, size_siblings)
 from ._torch_ops import torch_op
 
 __all__ = ["silu_and_mul", "mul_and_silu", "gelu_and_mul", "gelu_tanh_and_mul", "fatrelu_and_mul",
@@ -187,7 +187,7 @@ def _launch(op, spec, lead, ov, xv, d, *, scales=None, scale=None, partials=None
               L.array(partials) if partials is not None else L.absent("float32", 1),
               L.f32(p0), L.f32(p1), L.i64(d)]
     L.launch(act_quant_kernel, spec, grid, threads, params, like=xv, stream=stream, key=key,
-             part=part)
+             part=part, warm=lambda: size_siblings(spec))
 
 
 def _chunked(op, spec, lead, ov, xv, d, stream, key, **kw):

@@ -33,8 +33,8 @@ from .. import _adapter as ad
 from ..checks import check_kind, check_ndim, check_same_device, check_shape
 from . import _contract as C
 from . import _launch as L
-from ._spec_decode_kernels import (ID_KINDS, ILP, ArgmaxSpec, VerifySpec, argmax_kernel,
-                                   group_for, verify_kernel)
+from ._spec_decode_kernels import (ID_KINDS, ILP, ArgmaxSpec, VerifySpec, argmax_argtypes,
+                                   argmax_kernel, group_for, verify_kernel)
 from ._torch_ops import torch_op
 
 __all__ = ["rejection_greedy_sample", "greedy_verify"]
@@ -318,7 +318,8 @@ def greedy_verify(draft_token_ids, cu_num_draft_tokens, target_logits, bonus_tok
     g, vthreads, _ = verify_config(num_reqs, spec_len, True, forced)
     params = _verify_params(stage, oa, da, ca, keys if num_drafts else None, ba, na, ea, cua,
                             num_reqs, num_drafts, spec_len, splits, vocab)
+    argmax = ArgmaxSpec(la.kind, vec)  # a step without drafts launches no argmax: warm it
     L.launch(verify_kernel, VerifySpec("keys", g, pack=True, draft=da.kind, bonus=ba.kind), 1,
-             vthreads, params, like=da,
-             stream=stream, key=k, part=(launches - 1, launches))
+             vthreads, params, like=da, stream=stream, key=k, part=(launches - 1, launches),
+             warm=lambda: [(argmax_kernel, argmax, argmax_argtypes(argmax))])
     return oa.obj, na.obj, ea.obj, cua.obj
