@@ -195,6 +195,16 @@ def _wrap_cai(op, name, obj, cai):
             bad("strides that are whole elements", f"byte strides {tuple(cai['strides'])}")
         strides = tuple(s // isz for s in cai["strides"])
     ptr, readonly = cai["data"]
+    size = 1
+    for n in shape:
+        size *= n
+    if ptr is None or ptr == 0:  # the spec allows a null pointer for an empty array only
+        if size:
+            bad("a non-null data pointer for a non-empty array", f"data = {cai['data']!r} for "
+                f"shape {list(shape)}")
+        ptr = 0
+    elif not isinstance(ptr, int):
+        bad("an integer data pointer", f"data = {cai['data']!r}")
     lib = "cupy" if type(obj).__module__.startswith("cupy") else (
         "numba" if type(obj).__module__.startswith("numba") else "cai")
     stream = cai.get("stream") if version >= 3 else None

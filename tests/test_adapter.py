@@ -56,6 +56,22 @@ def test_zero_size_and_old_versions():
     assert ad.wrap("op", "x", CAI("float32", stream=5)).sync_stream == 5
 
 
+@pytest.mark.parametrize("data", [(None, False), (0, False), (0, True)])
+def test_empty_exports_may_have_a_null_pointer(data):
+    """CAI v3 allows ``data = (None, ...)`` or a 0 pointer for an empty array: a no-op input."""
+    a = ad.wrap("op", "x", CAI("float32", shape=(0, 4096), data=data))
+    assert a.ptr == 0 and a.size == 0 and a.extent() == (0, 0)
+
+
+def test_a_null_pointer_for_a_non_empty_array_is_rejected():
+    for data in ((None, False), (0, False)):
+        with pytest.raises(LoomnbValueError, match="argument 'x' must be a non-null data pointer "
+                                                   r"for a non-empty array; got data = \("):
+            ad.wrap("op", "x", CAI("float32", shape=(2, 3), data=data))
+    with pytest.raises(LoomnbValueError, match="an integer data pointer"):
+        ad.wrap("op", "x", CAI("float32", data=("0x1000", False)))
+
+
 def test_dtype_comes_from_the_object_and_must_agree_in_size():
     import ml_dtypes
     a = ad.wrap("op", "x", CAI(ml_dtypes.bfloat16, typestr="<f2"))  # torch's old bf16 typestr

@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from .fp8 import FP8_MAX, clamp_fp8, clamp_fp8_nan_low, e4m3_decode, e4m3_encode, scale_from_amax, ue8m0
-from .numerics import to_dtype
+from .numerics import as_rows, to_dtype
 
 __all__ = ["silu_and_mul", "mul_and_silu", "gelu_and_mul", "gelu_tanh_and_mul", "fatrelu_and_mul",
            "swigluoai_and_mul", "silu_and_mul_quant", "static_scaled_fp8_quant",
@@ -215,7 +215,7 @@ def dynamic_per_token_scaled_fp8_quant(x, scale_ub=None, out=None, *, scales=Non
     """Reference: per row ``scale = max(min(amax, scale_ub)/448, 1/(448*512))`` (``fminf``: a NaN
     ``scale_ub`` is ignored), ``e4m3(clamp(f(x) / scale))``. Returns ``(out, scales [rows, 1])``."""
     x = np.asarray(x)
-    xf = x.astype(F32).reshape(-1, x.shape[-1])
+    xf = as_rows(x.astype(F32))
     s = scale_from_amax(_nanmax_abs(xf, axis=-1, keepdims=True), scale_ub)
     with _errs():
         codes = e4m3_encode(clamp_fp8(xf / s)).reshape(x.shape)
@@ -262,7 +262,7 @@ def per_token_group_quant_fp8(x, group_size, eps=1e-10, column_major_scales=Fals
     ``(1, round_up(M, 4))`` (TMA-aligned)."""
     x = np.asarray(x)
     lead, d = x.shape[:-1], x.shape[-1]
-    y = x.astype(F32).reshape(-1, d)
+    y = as_rows(x.astype(F32))
     return _group_quant(y, x.shape, lead, group_size, eps, column_major_scales, tma_aligned_scales,
                         use_ue8m0, out_q, out_s)
 
@@ -300,7 +300,7 @@ def silu_and_mul_per_token_group_quant_fp8(x, group_size, eps=1e-10, column_majo
         y = y.astype(F32)
     else:
         y = silu_and_mul(x).astype(F32)
-    return _group_quant(y.reshape(-1, d), tuple(lead) + (d,), lead, group_size, eps,
+    return _group_quant(as_rows(y), tuple(lead) + (d,), lead, group_size, eps,
                         column_major_scales, tma_aligned_scales, use_ue8m0, out_q, out_s, numerics)
 
 
@@ -314,12 +314,12 @@ def scaled_fp8_dequant(q, scale, dtype, *, out=None, stream=None):
     tensor), ``[..., 1]`` (per token) or ``[..., G]`` (per group of ``d/G``; any strides)."""
     q = np.asarray(q)
     d = q.shape[-1]
-    v = e4m3_decode(q.view(np.uint8)).reshape(-1, d)
+    v = as_rows(e4m3_decode(q.view(np.uint8)))
     s = np.asarray(scale, F32)
     if s.size == 1:
         s2 = np.full((v.shape[0], 1), s.reshape(-1)[0], F32)
     else:
-        s2 = s.reshape(v.shape[0], -1)
+        s2 = as_rows(s)
     with _errs():
         y = v * np.repeat(s2, d // s2.shape[1], axis=-1)
     y = to_dtype(y.astype(F32), _np_dtype(dtype))

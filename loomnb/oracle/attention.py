@@ -111,10 +111,11 @@ def decode_exact(query, key_cache, value_cache, block_tables, seq_lens, scale, *
 def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, *,
                            softcap=None, sliding_window=None, kv_cache_dtype="auto",
                            k_scale=None, v_scale=None, out=None, return_lse=False,
-                           max_seq_len=None, check_indices=False, stream=None):
+                           max_seq_len=None, lse=None, check_indices=False, stream=None):
     """Reference paged decode attention: ``out`` (query dtype), and ``lse`` (float32 ``[num_heads,
-    num_seqs]``) with ``return_lse``. ``max_seq_len`` (a launch hint of the op) and
-    ``check_indices`` (the op's device-side index check) are ignored."""
+    num_seqs]``, filled when given) with ``return_lse``. ``max_seq_len`` (a launch hint of the
+    op) and ``check_indices`` (the op's device-side index check) are ignored."""
+    given_lse = lse
     o, lse, _ = decode_exact(query, key_cache, value_cache, block_tables, seq_lens, scale,
                              softcap=softcap, sliding_window=sliding_window,
                              kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
@@ -122,7 +123,11 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens
     if out is not None:
         out[...] = res
         res = out
-    return (res, lse.astype(np.float32)) if return_lse else res
+    lse = lse.astype(np.float32)
+    if given_lse is not None:
+        given_lse[...] = lse
+        lse = given_lse
+    return (res, lse) if return_lse or given_lse is not None else res
 
 
 def merge_exact(prefix_output, prefix_lse, suffix_output, suffix_lse):
@@ -145,7 +150,7 @@ def merge_exact(prefix_output, prefix_lse, suffix_output, suffix_lse):
 
 
 def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse,
-                      output_lse=None, stream=None):
+                      output_lse=None, *, stream=None):
     """Reference ``merge_attn_states``: fills ``output`` (and ``output_lse``) and returns ``output``."""
     o, lse, copied = merge_exact(prefix_output, prefix_lse, suffix_output, suffix_lse)
     res = to_dtype(o.astype(np.float32), np.asarray(output).dtype)

@@ -46,3 +46,13 @@ def fma_f32(a, b, c):
         fix = np.isfinite(s) & (err != 0) & ~odd
         s = np.where(fix, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
         return s.astype(np.float32)
+
+
+def as_rows(a):
+    """``a [..., n]`` as ``[rows, n]`` (``rows`` the product of the leading dimensions; also
+    when ``n`` is 0, where ``reshape(-1, 0)`` is ambiguous)."""
+    a = np.asarray(a)
+    rows = 1
+    for d in a.shape[:-1]:
+        rows *= d
+    return a.reshape(rows, a.shape[-1])

@@ -30,6 +30,8 @@ sampler produces. Arguments are NumPy arrays; ``stream`` is accepted and ignored
 
 import numpy as np
 
+from .numerics import as_rows
+
 __all__ = ["rejection_greedy_sample", "greedy_verify"]
 
 PLACEHOLDER_TOKEN_ID = -1
@@ -78,7 +80,7 @@ def target_argmax(target_logits):
     """``argmax`` over the last dimension of ``[..., V]`` logits, flattened to ``[rows]`` int64:
     the first NaN if a row has one, else the first maximum (``-0.0 == +0.0``)."""
     x = np.asarray(target_logits)
-    x = x.reshape(-1, x.shape[-1]).astype(np.float32)
+    x = as_rows(x).astype(np.float32)
     nan = np.isnan(x)
     first_nan = np.argmax(nan, axis=-1)
     first_max = np.argmax(np.where(nan, -np.inf, x), axis=-1)
