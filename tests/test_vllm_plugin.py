@@ -36,6 +36,16 @@ REPO = Path(__file__).resolve().parent.parent
 BF16 = torch.bfloat16
 
 
+@pytest.fixture(autouse=True)
+def _scratch_in_tmp_path(tmp_path, monkeypatch):
+    """bench_vllm_ab.py's scratch folders (tempfile.mkdtemp: the entry point, the children's
+    outputs) go under the test's tmp_path, in this process and in the ones it starts."""
+    import tempfile
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+
 # ---------------------------------------------------------------------------------------------
 # vLLM 0.24.0's native IR implementations, signatures only: copied from the vllm-0.24.0 wheel
 # (version 0.24.0, commit ee0da84ab), vllm/ir/ops/layernorm.py. vLLM's IrOpImpl requires
