@@ -30,6 +30,7 @@ import os
 import platform
 import statistics
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -673,12 +674,24 @@ def compiled(torch_provider):
     return TorchCompile
 
 
+RESULTS_DIR = Path(__file__).resolve().parent / "results"  # real runs' results (committed)
+# --dry-run's default --out: fake numbers never land among the committed results
+DRY_RUN_DIR = Path(tempfile.gettempdir()) / "loomnb-dry-run"
+
+
+def default_out(dry_run: bool) -> Path:
+    """Where a run writes without ``--out``: :data:`RESULTS_DIR`, or :data:`DRY_RUN_DIR` for
+    ``--dry-run``."""
+    return DRY_RUN_DIR if dry_run else RESULTS_DIR
+
+
 def parse_args(family: Family, argv=None):
     import argparse
-    results = Path(__file__).resolve().parent / "results"
     p = argparse.ArgumentParser(description=f"{family.name} benchmark; see benchmarks/README.md")
     a = p.add_argument
-    a("--out", type=Path, default=results, help="folder for the JSON and CSV (%(default)s)")
+    a("--out", type=Path, default=None,
+      help=f"folder for the JSON and CSV (default: {RESULTS_DIR}; with --dry-run "
+           f"{DRY_RUN_DIR}, outside the repository)")
     a("--ops", type=csv_list(str, family.ops), default=list(family.ops), help="comma list (default: all)")
     a("--providers", type=csv_list(str, family.providers),
       default=[n for n, p in family.providers.items() if not issubclass(p, TunedProvider)],
@@ -710,6 +723,8 @@ def parse_args(family: Family, argv=None):
       help="also run the family's loomnb_* tuning variants (other launch constants)")
     family.add_arguments(p)
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = default_out(args.dry_run)
     if getattr(args, family.x_axis) is None:
         setattr(args, family.x_axis, family.x_quick if args.quick else family.x_default)
     args.target_ms = args.target_ms or (0.5 if args.quick else 2.0)

@@ -418,7 +418,9 @@ def loop_main(argv=None) -> Path:
     import statistics
 
     p = argparse.ArgumentParser(description="bench_spec.py --loop: the decode loop with and without speculation")
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"folder for the JSON (default: {H.RESULTS_DIR}; with --dry-run "
+                        f"{H.DRY_RUN_DIR})")
     p.add_argument("--prompts", type=H.csv_list(str, LOOP_PROMPTS), default=list(LOOP_PROMPTS))
     p.add_argument("--batches", type=H.csv_list(int), default=[1], help="default 1")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -430,6 +432,8 @@ def loop_main(argv=None) -> Path:
     p.add_argument("--dry-run", action="store_true", help="CPU, a tiny random model: plumbing only")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = H.default_out(args.dry_run)
     from loomnb.models import compare_greedy
     from loomnb.models.speculative import SpeculativeRunner
     log = H.RunLog()

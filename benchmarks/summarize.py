@@ -1,12 +1,19 @@
 """Markdown summary table and plots from benchmark result JSON files.
 
-    python3 benchmarks/summarize.py                      # newest benchmarks/results/norm_*.json
+    python3 benchmarks/summarize.py                      # newest of each family in benchmarks/results
     python3 benchmarks/summarize.py FILE.json [FILE2.json ...] [--out-dir DIR] [--no-plots]
+    python3 benchmarks/summarize.py --dry-run            # the newest bench_*.py --dry-run files
+    python3 benchmarks/summarize.py --out-dir benchmarks/results   # regenerate the committed one
 
 Several files are merged (e.g. one run per op, or a warm and an L2-cold run): rows of the same
 (op, shape, dtype, L2 mode, provider) are pooled. Each number is the median over the passes
 (forward and reversed provider order); "spread" is (max - min) / median of the pass medians,
-a check that the order did not matter. Writes SUMMARY.md and PNG plots into --out-dir.
+a check that the order did not matter. Writes SUMMARY.md and PNG plots into --out-dir:
+by default the --results-dir when one is named, else a folder outside the repository
+(``<tmp>/loomnb-summary``), so the committed ``benchmarks/results/SUMMARY.md`` and plots are
+rewritten only when ``--out-dir benchmarks/results`` (or ``--results-dir benchmarks/results``)
+says so. ``--dry-run`` reads and writes ``<tmp>/loomnb-dry-run``, where ``bench_*.py
+--dry-run`` writes.
 """
 
 from __future__ import annotations
@@ -15,10 +22,13 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DRY_RUN_DIR = Path(tempfile.gettempdir()) / "loomnb-dry-run"  # = _harness.DRY_RUN_DIR (no torch here)
+SUMMARY_DIR = Path(tempfile.gettempdir()) / "loomnb-summary"  # default --out-dir
 PROVIDER_ORDER = ["loomnb", "vllm", "torch_compile", "liger", "torch"]
 SUBJECT = "loomnb"
 
@@ -321,13 +331,24 @@ def extra_sections(results_dir: Path, given: dict | None = None) -> list[str]:
 def main(argv=None) -> Path:
     ap = argparse.ArgumentParser(description="Summarise benchmark JSON into SUMMARY.md + plots")
     ap.add_argument("files", nargs="*", type=Path, help="result JSON files (default: newest)")
-    ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    ap.add_argument("--results-dir", type=Path, default=None,
+                    help=f"where to find the newest results (default: {RESULTS_DIR})")
+    ap.add_argument("--dry-run", action="store_true",
+                    help=f"summarise bench_*.py --dry-run's files: --results-dir and --out-dir "
+                         f"{DRY_RUN_DIR}")
     ap.add_argument("--pattern", action="append",
                     help="glob(s) for picking the newest file of each (default: every family's "
                          + ", ".join(f"{f}_*.json" for f in FAMILY_PREFIXES) + ")")
-    ap.add_argument("--out-dir", type=Path, help="default: --results-dir")
+    ap.add_argument("--out-dir", type=Path,
+                    help=f"where SUMMARY.md and the plots go (default: the --results-dir when "
+                         f"one is named, else {SUMMARY_DIR}; --out-dir benchmarks/results "
+                         f"regenerates the committed summary)")
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
+    named = args.results_dir
+    if args.dry_run:
+        named = args.results_dir = args.results_dir or DRY_RUN_DIR
+    args.results_dir = args.results_dir or RESULTS_DIR
     given, files = {}, []
     for f in args.files:  # the decode-step and overhead files have their own sections
         d = json.loads(Path(f).read_text())
@@ -341,7 +362,7 @@ def main(argv=None) -> Path:
         else:
             given[kind] = Path(f)
     files = files or _newest_of_each(args.results_dir, args.pattern)
-    out_dir = args.out_dir or args.results_dir
+    out_dir = args.out_dir or named or SUMMARY_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     metas, rows = load(files)
     lines = header(metas)
@@ -361,7 +382,9 @@ def main(argv=None) -> Path:
     lines += extra_sections(args.results_dir, given)
     md = out_dir / "SUMMARY.md"
     md.write_text("\n".join(lines) + "\n")
-    print(f"wrote {md}" + ("" if args.no_plots else " and plots"))
+    print(f"wrote {md}" + ("" if args.no_plots else " and plots") + (
+        f" ({RESULTS_DIR / 'SUMMARY.md'} is unchanged: --out-dir {RESULTS_DIR} regenerates it)"
+        if out_dir.resolve() != RESULTS_DIR.resolve() and args.results_dir == RESULTS_DIR else ""))
     return md
 
 

@@ -245,3 +245,25 @@ def test_gpu_eager_per_call(benchmark, gpu_env, op, provider):
 
 
 EAGER_CALLS = 1000
+
+
+def test_dry_run_and_summary_leave_the_committed_results_alone(tmp_path, monkeypatch, capsys):
+    """benchmarks/README.md's command without a GPU (``bench_norm.py --dry-run`` then
+    ``summarize.py``) writes outside benchmarks/results: the dry run into DRY_RUN_DIR, the
+    summary into SUMMARY_DIR (``summarize.py --dry-run``: the dry-run folder); only a named
+    --out-dir or --results-dir writes elsewhere."""
+    results = Path(H.__file__).resolve().parent / "results"
+    before = {p.name: p.stat().st_mtime_ns for p in results.iterdir()}
+    dry, summary = tmp_path / "dry", tmp_path / "summary"
+    assert H.DRY_RUN_DIR == S.DRY_RUN_DIR and H.default_out(False) == S.RESULTS_DIR == results
+    monkeypatch.setattr(H, "DRY_RUN_DIR", dry)
+    monkeypatch.setattr(S, "DRY_RUN_DIR", dry)
+    monkeypatch.setattr(S, "SUMMARY_DIR", summary)
+    path = B.main(["--dry-run", "--quick", "--ops", "rms_norm", "--providers", "loomnb,torch"])
+    assert Path(path).parent == dry
+    md = S.main(["--dry-run", "--no-plots"])
+    assert md == dry / "SUMMARY.md" and "DRY RUN" in md.read_text()
+    md = S.main(["--no-plots"])  # the committed results, summarised elsewhere
+    assert md == summary / "SUMMARY.md"
+    assert "is unchanged: --out-dir" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in results.iterdir()} == before
