@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Run the notebooks' code cells and record what they print.
 
-    python3 scripts/run_notebooks.py --simulator [NOTEBOOK ...]
+    python3 scripts/run_notebooks.py --simulator [NOTEBOOK ...]             # run, compare
+    python3 scripts/run_notebooks.py --simulator --in-place [NOTEBOOK ...]  # record
     python3 scripts/run_notebooks.py --gpu --out DIR [NOTEBOOK ...]
 
 A notebook's code cells run as one script (the cells' sources joined by a blank line, in order)
@@ -9,12 +10,14 @@ in a fresh ``python3 -u`` process, with the repository root first on ``PYTHONPAT
 ``notebooks/`` directory as the working directory. Without NOTEBOOK arguments every
 ``notebooks/*.ipynb`` runs.
 
-``--simulator`` runs under numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) and records the
-run's whole stdout in the notebook's metadata -- ``metadata.loomnb.simulator_stdout`` (a list of
-lines, each with its newline, as nbformat stores multi-line strings) and
-``metadata.loomnb.simulator_source_sha256`` (:func:`source_sha256`) -- without touching the
-cells' outputs. It rewrites the notebooks in place (or into ``--out DIR``).
-``tests/test_notebooks.py`` re-runs each notebook under the simulator in CI and compares.
+``--simulator`` runs under numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), no GPU needed.
+By itself it writes nothing: it shows each notebook's output and says whether it equals the
+output recorded in the notebook (exit status 1 if one differs), as
+``tests/test_notebooks.py`` checks in CI. With ``--in-place`` (the repository's notebooks) or
+``--out DIR`` (copies) it records the run's whole stdout in the notebook's metadata --
+``metadata.loomnb.simulator_stdout`` (a list of lines, each with its newline, as nbformat
+stores multi-line strings) and ``metadata.loomnb.simulator_source_sha256``
+(:func:`source_sha256`) -- without touching the cells' outputs.
 
 ``--gpu`` (a CUDA GPU, no simulator) splits stdout per cell -- each cell is followed by a line
 printing a unique marker, so output of child processes a cell runs (sharing fd 1) is attributed
@@ -172,6 +175,25 @@ def record_simulator(path: Path, out: Path) -> bool:
     return True
 
 
+def check_simulator(path: Path) -> str:
+    """Run ``path`` under the simulator and compare with its recorded output; writes nothing.
+    Returns ``"same"``, ``"differs"`` or ``"failed"`` (a cell raised)."""
+    nb = load(path)
+    rc, stdout, _ = run_simulator(nb, path.stem, echo=True)
+    if rc != 0:
+        print(f"\n{path.name}: the simulator run failed (exit status {rc})", file=sys.stderr)
+        return "failed"
+    meta = nb["metadata"].get("loomnb", {})
+    if text(meta.get("simulator_stdout")) != stdout:
+        stale = meta.get("simulator_source_sha256") != source_sha256(nb)
+        print(f"{path.name}: prints other than its recorded simulator output"
+              + (" (its code changed after the recording)" if stale else "")
+              + "; record it with --simulator --in-place", file=sys.stderr)
+        return "differs"
+    print(f"{path.name}: the simulator output equals the recorded one (nothing written)")
+    return "same"
+
+
 def record_gpu(path: Path, out: Path, device: dict) -> bool:
     nb = load(path)
     h = source_sha256(nb)
@@ -237,16 +259,23 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--simulator", action="store_true",
-                      help="record the simulator's stdout in the notebooks' metadata")
+                      help="run under numba's CUDA simulator and compare with the recorded "
+                           "output (--in-place or --out DIR: record it in the notebooks' "
+                           "metadata)")
     mode.add_argument("--gpu", action="store_true",
                       help="run on the GPU and write the notebooks with their outputs to --out")
     p.add_argument("--out", type=Path,
-                   help="directory for the updated notebooks (required with --gpu; --simulator "
-                        "rewrites the notebooks in place without it)")
+                   help="directory for the updated notebooks (required with --gpu; with "
+                        "--simulator: record there)")
+    p.add_argument("--in-place", action="store_true",
+                   help="with --simulator: record the output in the notebooks themselves "
+                        "(without it, and without --out, --simulator only compares)")
     p.add_argument("notebooks", nargs="*", type=Path, help="default: notebooks/*.ipynb")
     args = p.parse_args(argv)
     if args.gpu and args.out is None:
         p.error("--gpu needs --out DIR (the repository's notebooks are not overwritten)")
+    if args.in_place and (args.gpu or args.out is not None):
+        p.error("--in-place goes with --simulator, without --out")
     paths = [n.resolve() for n in args.notebooks] or notebooks()
     missing = [str(n) for n in paths if not n.is_file()]
     if missing:
@@ -254,14 +283,21 @@ def main(argv=None) -> int:
     device = gpu_device() if args.gpu else None
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
+    same = True
     for path in paths:
         out = args.out / path.name if args.out else path
         print(f"=== {path.name} ({'GPU: ' + device['device'] if args.gpu else 'simulator'})",
               flush=True)
-        ok = record_gpu(path, out, device) if args.gpu else record_simulator(path, out)
+        if args.gpu:
+            ok = record_gpu(path, out, device)
+        elif args.out is None and not args.in_place:
+            verdict = check_simulator(path)
+            ok, same = verdict != "failed", same and verdict == "same"
+        else:
+            ok = record_simulator(path, out)
         if not ok:
             return 1
-    return 0
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ to see; CI has no GPU, so it cannot re-run them. What CI can check:
   ``metadata.loomnb.simulator_source_sha256`` likewise for the recorded simulator output;
 * simulator pass (``sim``): the code cells run under numba's CUDA simulator (small shapes) and
   print exactly ``metadata.loomnb.simulator_stdout``, recorded by
-  ``python3 scripts/run_notebooks.py --simulator``, so the kernels, the oracle checks and the
-  notebook's code keep working and agreeing.
+  ``python3 scripts/run_notebooks.py --simulator --in-place``, so the kernels, the oracle
+  checks and the notebook's code keep working and agreeing (``--simulator`` alone runs the
+  same comparison and writes nothing).
 
 The join of the cells, the hash and the run itself are ``scripts/run_notebooks.py``'s, imported
 here, so the tests check exactly what the script records.
@@ -32,7 +33,7 @@ _spec.loader.exec_module(rn)
 NOTEBOOKS = rn.notebooks()
 GPU_RUN = ("re-run `python3 scripts/run_notebooks.py --gpu --out DIR` on a GPU machine and copy "
            "the notebooks from DIR into notebooks/")
-SIM_RUN = "refresh it with `python3 scripts/run_notebooks.py --simulator`"
+SIM_RUN = "refresh it with `python3 scripts/run_notebooks.py --simulator --in-place`"
 
 
 def loomnb_metadata(nb):
@@ -82,3 +83,30 @@ def test_notebook_runs_under_the_simulator_as_recorded(path):
     assert stdout == recorded, (
         f"{path.name} prints other than its recorded simulator output "
         f"(metadata.loomnb.simulator_stdout): if the change is intended, {SIM_RUN}")
+
+
+def test_simulator_mode_writes_only_when_told(tmp_path, monkeypatch, capsys):
+    """``--simulator`` alone compares and writes nothing (a command from the docs never
+    rewrites the committed notebooks); ``--in-place`` records into the notebook, ``--out DIR``
+    into a copy. The run itself is faked here (the sim pass above runs the real ones)."""
+    nb_path = tmp_path / NOTEBOOKS[0].name
+    nb_path.write_bytes(NOTEBOOKS[0].read_bytes())
+    recorded = rn.text(loomnb_metadata(rn.load(nb_path)).get("simulator_stdout"))
+    printed = {"out": recorded}
+    monkeypatch.setattr(rn, "run_simulator", lambda nb, name, timeout=None, echo=False:
+                        (0, printed["out"], ""))
+    original = nb_path.read_bytes()
+    assert rn.main(["--simulator", str(nb_path)]) == 0
+    assert "equals the recorded one (nothing written)" in capsys.readouterr().out
+    printed["out"] = "something else\n"
+    assert rn.main(["--simulator", str(nb_path)]) == 1
+    assert "record it with --simulator --in-place" in capsys.readouterr().err
+    assert nb_path.read_bytes() == original
+    out_dir = tmp_path / "out"
+    assert rn.main(["--simulator", "--out", str(out_dir), str(nb_path)]) == 0
+    assert loomnb_metadata(rn.load(out_dir / nb_path.name))["simulator_stdout"] == ["something else\n"]
+    assert nb_path.read_bytes() == original
+    assert rn.main(["--simulator", "--in-place", str(nb_path)]) == 0
+    assert loomnb_metadata(rn.load(nb_path))["simulator_stdout"] == ["something else\n"]
+    with pytest.raises(SystemExit):
+        rn.main(["--simulator", "--in-place", "--out", str(out_dir), str(nb_path)])
