@@ -322,22 +322,22 @@ def test_check_indices_on_valid_indices_same_result_no_sync_no_replay(seq_lens, 
     assert torch.equal(compiled, want[0])
 
 
-BAD_DECODE = {
-    "block past the cache": ("[[0, 5]]", "[6]"),   # tokens 4-5 read column 1: block 5 of 2
-    "negative block": ("[[-1, 1]]", "[2]"),
-    "seq_len past the table": ("[[0, 1]]", "[9]"),  # 2 columns of 4 tokens
-    "negative seq_len": ("[[0, 1]]", "[-1]"),
+BAD_DECODE = {  # case: (block_tables, seq_lens, the argument the assert names)
+    "block past the cache": ("[[0, 5]]", "[6]", "block_tables"),  # tokens 4-5: column 1, block 5 of 2
+    "negative block": ("[[-1, 1]]", "[2]", "block_tables"),
+    "seq_len past the table": ("[[0, 1]]", "[9]", "seq_lens"),    # 2 columns of 4 tokens
+    "negative seq_len": ("[[0, 1]]", "[-1]", "seq_lens"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_DECODE))
 def test_check_indices_fires_the_device_assert_on_a_bad_index(case):
     """An out-of-range block number in a column a sequence reads, or a seq_len outside the
-    table, with check_indices=True: a device-side assert at the next synchronisation (in a
-    subprocess: it ends the CUDA context)."""
+    table, with check_indices=True: a device-side assert naming the argument (in a subprocess:
+    it ends the CUDA context); the decode kernel queued after it does not run."""
     import subprocess
     import sys
-    bt, sl = BAD_DECODE[case]
+    bt, sl, name = BAD_DECODE[case]
     code = ("import torch, loomnb\n"
             "q = torch.ones(1, 2, 16, dtype=torch.bfloat16, device='cuda')\n"
             "kv = torch.ones(2, 2, 4, 1, 16, dtype=torch.bfloat16, device='cuda')\n"
@@ -349,7 +349,8 @@ def test_check_indices_fires_the_device_assert_on_a_bad_index(case):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     out = res.stderr + res.stdout
     assert res.returncode != 0 and "NO ASSERT" not in out, out[-2000:]
-    assert "assert" in out.lower(), out[-2000:]
+    assert f"Assertion `loomnb.paged_decode_attention: argument '{name}' must be" in out, out[-2000:]
+    assert "CUDA_ERROR_ASSERT" in out or "device-side assert" in out, out[-2000:]
 
 
 def test_new_batch_or_context_does_not_recompile():
