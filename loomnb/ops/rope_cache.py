@@ -409,7 +409,8 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, r
     cos_sin_cache, is_neox, rope_dim_offset, inverse)``. Differs: the key's head stride is the
     key's own (vLLM uses the query's for both); the cos/sin dtype is the query's or fp32
     (vLLM's op takes any float dtype); any ``num_kv_heads`` is accepted (vLLM's op requires
-    ``num_heads % num_kv_heads == 0``, which neither kernel uses).
+    ``num_heads % num_kv_heads == 0``; loomnb's kernel rotates query and key heads as separate
+    items and never uses the ratio).
     """
     if ad.is_compiling():
         return rotary_embedding.traced(positions=positions, query=query, key=key,
