@@ -44,7 +44,7 @@ def main(argv=None):
     p.add_argument("--sampler", default="v1", choices=("v1", "v2"), help="min_p's sampler")
     args = p.parse_args(argv)
     if args.op == "attention":
-        import bench_decode_attention as B
+        import bench_attention as B
         hq, hk, hd = B.GEOMETRIES[args.geometry]
         case = {"num_heads": hq, "num_kv_heads": hk, "head_size": hd, "block_size": B.BLOCK_SIZE,
                 "cache": args.cache, "num_seqs": args.num_seqs, "context": args.context,

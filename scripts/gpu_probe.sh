@@ -8,7 +8,7 @@ OUT=${OUT:-/tmp/out}; R=/tmp/probe; mkdir -p $R $OUT
 ( [ -n "${NOTESTS:-}" ] || CUDA_VISIBLE_DEVICES=1 timeout 240 python3 -m pytest -q -x -m gpu tests/test_attention_gpu.py tests/test_attention_cases.py -p no:cacheprovider > $R/att_tests.log 2>&1; echo "rc=$?" >> $R/att_tests.log ) &
 T=$!
 export CUDA_VISIBLE_DEVICES=0
-timeout 200 python3 benchmarks/bench_decode_attention.py --tune --providers "${PROVS:-loomnb,loomnb_tt2,loomnb_tt8,loomnb_t256,loomnb_t64,loomnb_tt8_t64}" --batches 8,32 --context ${CTX:-32,1024,4096,16384} --order forward --no-exact --repeats 7 --out $R > $R/att_tune.log 2>&1
+timeout 200 python3 benchmarks/bench_attention.py --tune --providers "${PROVS:-loomnb,loomnb_tt2,loomnb_tt8,loomnb_t256,loomnb_t64,loomnb_tt8_t64}" --batches 8,32 --context ${CTX:-32,1024,4096,16384} --order forward --no-exact --repeats 7 --out $R > $R/att_tune.log 2>&1
 NCU="ncu --clock-control none --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats"
 timeout 60 $NCU -k regex:^kernel python3 benchmarks/probe_profile.py attention --num-seqs 32 --context 4096 > $R/ncu_att.txt 2>&1
 timeout 60 $NCU -k regex:^kernel python3 benchmarks/probe_profile.py attention --num-seqs 32 --context 4096 --geometry 9/3/64 > $R/ncu_att_smol.txt 2>&1

@@ -1,7 +1,7 @@
 """pytest entry points for the paged decode attention benchmark.
 
-    pytest benchmarks/test_bench_decode_attention.py                 # CPU checks (+ GPU cases if CUDA)
-    pytest benchmarks/test_bench_decode_attention.py -k gpu --benchmark-only
+    pytest benchmarks/test_bench_attention.py                 # CPU checks (+ GPU cases if CUDA)
+    pytest benchmarks/test_bench_attention.py -k gpu --benchmark-only
 
 The CPU tests check the bytes model, the inputs (a shuffled permutation of pages, the views of
 the interleaved cache), that the torch composite and the legacy layout the vLLM provider builds
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H  # noqa: E402
-import bench_decode_attention as B  # noqa: E402
+import bench_attention as B  # noqa: E402
 import summarize as S  # noqa: E402
 
 import loomnb.oracle  # noqa: E402

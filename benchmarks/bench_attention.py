@@ -2,11 +2,11 @@
 FlashInfer 0.6.12's decode wrapper, vLLM's legacy ``paged_attention_v2``, torch eager gather +
 SDPA, and (opt-in) torch.compile of it and ``flex_attention`` with a paged block mask.
 
-    python3 benchmarks/bench_decode_attention.py                 # the default sweep (~2-3 min)
-    python3 benchmarks/bench_decode_attention.py --full          # the issue's grid (~5 min)
-    python3 benchmarks/bench_decode_attention.py --quick         # smoke: 2 batches x 3 contexts
-    python3 benchmarks/bench_decode_attention.py --flashinfer    # + FlashInfer (JIT ~90 s first)
-    python3 benchmarks/bench_decode_attention.py --dry-run       # no GPU: fake timings, real files
+    python3 benchmarks/bench_attention.py                 # the default sweep (~2-3 min)
+    python3 benchmarks/bench_attention.py --full          # the issue's grid (~5 min)
+    python3 benchmarks/bench_attention.py --quick         # smoke: 2 batches x 3 contexts
+    python3 benchmarks/bench_attention.py --flashinfer    # + FlashInfer (JIT ~90 s first)
+    python3 benchmarks/bench_attention.py --dry-run       # no GPU: fake timings, real files
 
 Cases: one query token per sequence, every sequence ``context`` tokens long in block-16 pages
 whose block table is a shuffled permutation (non-contiguous), vLLM 0.24's interleaved NHD cache
@@ -365,7 +365,7 @@ PROVIDERS = {p.name: p for p in (Loomnb, Fa3, FlashInfer, FlashInferTC, Vllm, To
 
 
 class DecodeAttentionFamily(H.Family):
-    name = "decode_attention"
+    name = "decode_attention"  # the result files' prefix (decode_attention_<time>_<gpu>.json), kept
     ops = OPS
     providers = PROVIDERS
     x_axis, x_default, x_quick = "context", [32, 1024, 4096, 16384], [32, 1024, 16384]
