@@ -149,3 +149,96 @@ def test_fp8_out_may_be_uint8_codes_as_documented(name):
         got, want = got[0], want[0]
     assert got is codes
     assert np.array_equal(codes, np.asarray(want).view(np.uint8))
+
+
+# docs/scaffold.md's signature rule, checked on every op's signature
+OUTPUTS = {"out", "out_q", "out_s", "scales", "lse", "query_out", "key_out", "indices",
+           "logprobs", "ranks", "output_token_ids", "num_emitted", "emitted_token_ids",
+           "cu_num_emitted"}
+OWN_OPTIONS = {"rounding", "check_indices", "check_scale", "fma", "numerics", "return_lse"}
+ACTIVATION_OUTPUTS = ("out", "out_q", "out_s")
+
+
+def test_every_op_follows_the_documented_signature_rule():
+    import inspect
+
+    import loomnb
+
+    rule = " ".join((REPO / "docs" / "scaffold.md").read_text().split())
+    assert "`silu_and_mul(x, out=None)`" in rule and "`static_scaled_fp8_quant(x, scale, out=None)`" in rule
+    assert "the sampling ops' `sampler`" in rule and "keyword-only" in rule
+    kw, pos = inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD
+    broken = []
+    for name in loomnb.ops.OPS:
+        op = getattr(loomnb, name)
+        params = list(inspect.signature(op).parameters.values())
+        activation = op.__module__ == "loomnb.ops.activation"
+        if params[-1].name != "stream" or params[-1].kind != kw:
+            broken.append(f"{name}: stream= is not the last, keyword-only parameter")
+        if params[0].name == "out":
+            broken.append(f"{name}: result-first out")
+        positional = [p.name for p in params if p.kind == pos]
+        for p in params:
+            if p.name in OWN_OPTIONS and p.kind != kw:
+                broken.append(f"{name}: loomnb's option {p.name} is not keyword-only")
+            if p.name in OUTPUTS and p.kind != kw and not (activation and p.name in ACTIVATION_OUTPUTS):
+                broken.append(f"{name}: output {p.name} is not keyword-only")
+        if activation:  # the outputs, where positional, come last
+            outs = [n for n in positional if n in ACTIVATION_OUTPUTS]
+            if outs and positional[-len(outs):] != outs:
+                broken.append(f"{name}: {outs} are not the last positional parameters")
+    assert not broken, "\n".join(broken)
+
+
+def test_benchmarks_readme_covers_every_script_and_calls_the_ops_as_they_are():
+    """benchmarks/README.md names every script of benchmarks/, its loomnb calls bind to the
+    ops' signatures (inputs first, outputs keyword-only), and it states no case count that
+    would go stale."""
+    import inspect
+
+    import loomnb
+
+    text = (REPO / "benchmarks" / "README.md").read_text()
+    missing = [p.name for p in sorted((REPO / "benchmarks").glob("*.py")) if p.name not in text]
+    assert not missing, f"benchmarks/README.md does not mention {missing}"
+    calls = re.findall(r"`loomnb\.(\w+)\(([^)`]*)\)`", text)
+    assert {name for name, _ in calls} >= {"rms_norm", "rms_norm_static_fp8_quant"}, calls
+    for name, args in calls:
+        parts = [a.strip() for a in args.split(",") if a.strip()]
+        pos = [a for a in parts if "=" not in a]
+        kw = {a.split("=")[0]: None for a in parts if "=" in a}
+        inspect.signature(getattr(loomnb, name)).bind(*pos, **kw)  # TypeError if misdocumented
+    assert not re.search(r"\(\d+: op × provider", text), "a pytest case count goes stale"
+    assert "summarize.py --dry-run" in text and "<tmp>/loomnb-dry-run" in text
+
+
+# how the project was built is not the reader's business (docs/numerics.md included: it is a
+# user doc too)
+BUILD_HISTORY = re.compile(r"\bsessions? \d|this session|the session's|the issue\b|issue's|"
+                           r"the task's|work rounds?|round (?:one|two|\d)", re.I)
+
+
+def test_user_docs_speak_to_a_user():
+    docs = {p: (REPO / p).read_text() for p in ("README.md", "docs/vllm.md", "docs/scaffold.md",
+                                                "benchmarks/README.md")}
+    hits = [f"{p}:{i}: {line.strip()[:100]}" for p, text in docs.items()
+            for i, line in enumerate(text.splitlines(), 1) if BUILD_HISTORY.search(line)]
+    assert not hits, "\n".join(hits)
+
+
+def test_readme_says_how_long_the_two_commands_take_and_how_to_run_the_notebooks():
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "about 2 minutes, most of it downloads" in readme
+    assert "about 21-31 minutes for both passes" in readme
+    assert "python3 scripts/run_notebooks.py --simulator" in readme and "writes nothing" in readme
+    assert "--threads N" in readme and "$OMP_NUM_THREADS" in readme
+    assert "--ignore-eos" in readme
+
+
+def test_install_comments_agree_with_the_readme():
+    """pyproject.toml and scripts/test describe the torch extra as the README does (the build
+    pip finds first), not as a CPU build."""
+    for path in ("pyproject.toml", "scripts/test"):
+        text = (REPO / path).read_text()
+        assert "pinned CPU build" not in text and "pinned to the CPU build" not in text, path
+        assert "whichever build pip finds first" in " ".join(text.split()), path
