@@ -80,9 +80,13 @@ def memory(config, elem_sizes: dict, gib: list[float], seq_len: int) -> dict:
 
 def evaluate(model, prompts, max_new_tokens, backend=None, top_k=20, gib=(1.0, 80.0),
              seq_len=4096) -> dict:
-    """Run the three decodes and return the report (module docstring)."""
-    ref = model.generate(prompts, max_new_tokens, backend=backend, kv_cache_dtype="auto")
-    fp8 = model.generate(prompts, max_new_tokens, backend=backend, kv_cache_dtype="fp8")
+    """Run the three decodes and return the report (module docstring). Every decode runs all
+    ``max_new_tokens`` steps (``ignore_eos``): the positions compared are the same for every
+    prompt, and the teacher-forced run feeds the reference's full sequences."""
+    ref = model.generate(prompts, max_new_tokens, backend=backend, kv_cache_dtype="auto",
+                         ignore_eos=True)
+    fp8 = model.generate(prompts, max_new_tokens, backend=backend, kv_cache_dtype="fp8",
+                         ignore_eos=True)
     forced = model.generate(prompts, max_new_tokens, backend=backend, kv_cache_dtype="fp8",
                             forced_token_ids=ref.token_ids, num_top_logits=top_k)
     div = [first_divergence(a, b) for a, b in zip(ref.token_ids, fp8.token_ids)]

@@ -106,3 +106,23 @@ def test_speculative_loop_stops_where_plain_greedy_stops(backend):
     assert flat(got.token_logprobs) == pytest.approx(flat(ref.token_logprobs), abs=1e-6)
     assert got.num_decode_tokens == sum(len(t) - 1 for t in got.token_ids)
     assert got.num_accepted_tokens > 0
+
+
+def test_benchmarks_decode_every_step_whatever_the_stop_tokens(tmp_path):
+    """kv_fp8_quality.py compares the bf16 and FP8 caches over all max_new_tokens positions
+    (ignore_eos), also when the model emits its stop token at once."""
+    import sys
+    from pathlib import Path
+
+    from loomnb.models import llama
+    from test_cli import write_tiny_gguf
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import kv_fp8_quality as Q
+
+    model = llama.load_model(write_tiny_gguf(tmp_path / "tiny.gguf"), device="cpu")
+    first = model.generate(["the tea"], 1, backend="loomnb-cpu").token_ids[0][0]
+    model.tokenizer.stop_token_ids = frozenset({first})
+    assert model.generate(["the tea"], 4, backend="loomnb-cpu").token_ids == [[first]]
+    report = Q.evaluate(model, ["the tea"], 4, backend="loomnb-cpu", top_k=3)
+    assert report["logprob"]["positions"] + report["logprob"]["outside_top_k"] == 4
