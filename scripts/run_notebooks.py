@@ -199,7 +199,7 @@ def record_gpu(path: Path, out: Path, device: dict) -> bool:
     h = source_sha256(nb)
     if nb["metadata"].get("loomnb", {}).get("simulator_source_sha256") != h:
         print(f"warning: {path.name}: the recorded simulator output is not of this code; also run "
-              f"python3 scripts/run_notebooks.py --simulator", file=sys.stderr)
+              f"python3 scripts/run_notebooks.py --simulator --in-place", file=sys.stderr)
     nonce = secrets.token_hex(8)
     cells = code_cells(nb)
 
