@@ -4,8 +4,9 @@
 
 The CPU tests check the argument parsing and the case plan (both provider orders), the
 context prompts, the library decode path the benchmark times (``run_loop`` on a tiny random
-model: the padded eager step, its kernel count), the plot from a synthetic result file, and
-``kv_fp8_quality.py`` end to end on SmolLM2 (1 prompt x 4 tokens on the CPU: the JSON fields).
+model: the padded eager step, its kernel count), the plot from a synthetic result file,
+``--speculative`` (the loop with and without prompt-lookup speculation) on a tiny random model,
+and ``kv_fp8_quality.py`` end to end on SmolLM2 (1 prompt x 4 tokens on the CPU: the JSON fields).
 The GPU case runs a small real sweep and requires graphed tokens to equal eager ones.
 """
 
@@ -80,6 +81,19 @@ def test_run_loop_on_the_cpu_pads_and_counts():
     c = res["counts"]
     assert c["what"].startswith("ops-backend calls") and c["per_layer"] == 5
     assert c["per_step"] == 2 * 5 + 2
+
+
+def test_speculative_loop_dry_run(tmp_path):
+    """``--speculative`` (formerly ``bench_spec.py --loop``): the loop with and without
+    prompt-lookup speculation on a tiny random model; one JSON row per prompt and batch."""
+    assert B.main(["--speculative", "--dry-run", "--prompts", "free", "--max-new-tokens", "10",
+                   "--repeats", "1", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("specloop_*.json")
+    d = json.loads(path.read_text())
+    (row,) = d["results"]
+    assert row["prompt"] == "free" and row["identical"] and row["plain_tok_s"] > 0
+    assert row["k"] == 4 and row["plain_passes"] == 9 and row["spec_tok_s"] > 0
+    assert d["meta"]["benchmark"] == "specloop"
 
 
 def test_plot_from_a_result_file(tmp_path):

