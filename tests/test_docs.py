@@ -1,7 +1,9 @@
 """The documentation describes this repository and nothing outside it, and says what the code does.
 
 * no file points outside the repository (a clone has nothing beside it);
-* every repository path the README, ``docs/`` and the notebooks cite exists;
+* every repository path the README, ``docs/`` and the notebooks cite exists, and every raw log
+  they cite (``in `gpu_logs_<run>.tar.xz`: `NAME` ``) is in that archive, as is every log a run
+  folder's README names;
 * ``docs/numerics.md`` has the shared rules and the RMSNorm section written;
 * the README's CPU example runs and prints one answer, and the README says how to choose
   torch's CPU or CUDA build;
@@ -46,7 +48,7 @@ def test_nothing_points_outside_the_repository():
 
 
 CITED = re.compile(r"(?<![\w/.])((?:loomnb|tests|benchmarks|docs|notebooks|scripts)/"
-                   r"[\w./-]*\w\.(?:py|md|ipynb|sh|json|csv|log|png))")
+                   r"[\w./-]*\w\.(?:py|md|ipynb|sh|json|csv|log|txt|png|tar\.xz))")
 
 
 def user_docs():
@@ -69,6 +71,49 @@ def test_the_citation_check_finds_paths():
     """The regex above must see the paths the notebook and README cite (or the check is empty)."""
     cited = {m for _, text in user_docs() for m in CITED.findall(text)}
     assert {"tests/test_norm_gpu.py", "benchmarks/bench_norm.py", "docs/numerics.md"} <= cited
+
+
+RESULTS = REPO / "benchmarks" / "results"
+# a log kept in one of benchmarks/results' archives, cited as: in `gpu_logs_<run>.tar.xz`: `NAME`
+IN_ARCHIVE = re.compile(r"in `(?:benchmarks/results/)?((?:gpu_)?logs_\w+\.tar\.xz)`: `([^`]+)`")
+
+
+def archive_names(archive):
+    """The file names in one of benchmarks/results' log archives (none if it does not exist)."""
+    import tarfile
+
+    path = RESULTS / archive
+    if not path.is_file():
+        return []
+    with tarfile.open(path) as t:
+        return [Path(m.name).name for m in t.getmembers() if m.isfile()]
+
+
+def test_cited_logs_are_in_their_archives():
+    """The raw GPU logs live in one archive per run (``benchmarks/results/README.md``): each one
+    the docs cite is in the archive they name (NAME may be a glob), and every ``*.log`` /
+    ``*.txt`` a run folder's README names is in that run's archive."""
+    import fnmatch
+
+    docs = user_docs() + [(p, (REPO / p).read_text()) for p in
+                          ("benchmarks/README.md", "benchmarks/results/README.md")]
+    cited = [(name, a, m) for name, text in docs
+             for a, m in IN_ARCHIVE.findall(" ".join(text.split()))]
+    assert len(cited) >= 10, cited
+    wrong = [f"{name}: {m} in {a}" for name, a, m in cited
+             if not fnmatch.filter(archive_names(a), m)]
+    for readme in sorted(RESULTS.glob("gpu_logs_*/README.md")):
+        archive = readme.parent.name + ".tar.xz"
+        assert (RESULTS / archive).is_file(), f"{readme.relative_to(REPO)}: no {archive} beside it"
+        names = archive_names(archive)
+        wrong += [f"{readme.relative_to(REPO)}: {m} in {archive}"
+                  for m in set(re.findall(r"`([\w*]+\.(?:log|txt))`", readme.read_text()))
+                  if not fnmatch.filter(names, m)]
+    assert not wrong, "logs cited but not in their archive:\n" + "\n".join(sorted(wrong))
+    loose = [str(p.relative_to(REPO)) for p in RESULTS.rglob("*") if p.suffix in (".log", ".txt")]
+    tracked = subprocess.run(["git", "ls-files", "--", *loose], cwd=REPO, capture_output=True,
+                             text=True).stdout.split() if loose and (REPO / ".git").exists() else []
+    assert not tracked, f"raw logs tracked outside the archives: {tracked}"
 
 
 def numerics_section(title):
