@@ -22,15 +22,21 @@ __version__ = "0.1.0"
 _EXCEPTIONS = ["LoomnbError", "LoomnbTypeError", "LoomnbValueError"]
 
 
+_LOADED = []  # [loomnb.ops] once the ops are in this namespace
+
+
 def _load():
-    """Import ``loomnb.ops`` and ``loomnb.oracle`` and put every op into this namespace."""
-    ops = _importlib.import_module(".ops", __name__)
-    _importlib.import_module(".oracle", __name__)
-    namespace = globals()
-    for name in ops.OPS:
-        namespace[name] = getattr(ops, name)
-    namespace["__all__"] = [*ops.OPS, "oracle", *_EXCEPTIONS]
-    return ops
+    """Import ``loomnb.ops`` and ``loomnb.oracle`` and put every op into this namespace (once:
+    a name deleted afterwards, say by a test's monkeypatch, stays deleted)."""
+    if not _LOADED:
+        ops = _importlib.import_module(".ops", __name__)
+        _importlib.import_module(".oracle", __name__)
+        namespace = globals()
+        for name in ops.OPS:
+            namespace[name] = getattr(ops, name)
+        namespace["__all__"] = [*ops.OPS, "oracle", *_EXCEPTIONS]
+        _LOADED.append(ops)
+    return _LOADED[0]
 
 
 def __getattr__(name):  # PEP 562: the ops load at their first use
@@ -38,16 +44,16 @@ def __getattr__(name):  # PEP 562: the ops load at their first use
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if name in ("ops", "oracle"):
         return _importlib.import_module(f".{name}", __name__)
-    ops = _load()
-    if name == "__all__":
-        return globals()["__all__"]
-    if name in ops.OPS:
-        return globals()[name]
+    if not _LOADED:
+        _load()
+        if name in globals():
+            return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_load().OPS) | {"ops", "oracle"})
+    _load()
+    return sorted(set(globals()) | {"ops", "oracle"})
 
 
 if _sys.modules.get("torch") is not None:  # a torch user: torch.ops.loomnb.* exist right after the import

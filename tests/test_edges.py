@@ -112,3 +112,33 @@ def test_vllm_summary_without_vllm_names_no_version(monkeypatch):
     assert "beside vLLM 0.24.0 (not registered by vLLM in this process)" in V.summary()
     monkeypatch.setitem(V._STATE, "vllm_version", "0.24.0")
     assert V.summary().startswith(f"loomnb {loomnb.__version__} in vLLM 0.24.0:")
+
+
+LAZY = """
+import sys
+import loomnb
+assert "numba" not in sys.modules and "torch" not in sys.modules, "import loomnb is light"
+assert loomnb.LoomnbValueError and loomnb.__version__
+op = loomnb.rms_norm  # the first use loads the ops
+assert "numba" in sys.modules and op is loomnb.ops.rms_norm and "rms_norm" in loomnb.__all__
+del loomnb.rms_norm   # a deleted op stays deleted (the plug-in's hasattr checks rely on it)
+assert not hasattr(loomnb, "rms_norm")
+print("ok")
+"""
+EAGER = """
+import torch, loomnb
+print(hasattr(torch.ops.loomnb, "rms_norm"))
+"""
+
+
+@pytest.mark.parametrize("code, out", [(LAZY, "ok"), (EAGER, "True")], ids=["lazy", "eager"])
+def test_import_loomnb_loads_the_ops_at_first_use_or_with_torch(code, out):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo,
+                       env=dict(os.environ, PYTHONPATH=str(repo)), timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == out, r.stderr[-2000:]
