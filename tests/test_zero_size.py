@@ -13,7 +13,7 @@ import pytest
 import loomnb
 from conftest import HAS_GPU, SIM
 from family import assert_bits
-from op_cases import CASES, to_device, to_host
+from op_cases import CASES, Draws, to_device, to_host
 
 ZERO = [(name, dim) for name in sorted(CASES) for dim in CASES[name].zero]
 ERRORS = (loomnb.LoomnbValueError, loomnb.LoomnbTypeError)
@@ -50,7 +50,7 @@ def _arrays(x):
 def sweep_one(name, dim, device):
     c = CASES[name]
     d = dict(c.dims, **{dim: 0})
-    args, kwargs = c.build(np.random.default_rng(0), d, c.kinds[0], False)
+    args, kwargs = c.build(Draws(0), d, c.kinds[0], False)
     before = copy.deepcopy((args, kwargs))
     oracle_args = copy.deepcopy((args, kwargs))
     if device:
