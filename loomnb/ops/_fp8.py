@@ -20,6 +20,7 @@ _MAX = float(FP8_MAX)
 _MIN_SCALE = float(FP8_MIN_SCALE)
 _UE8M0_FLOOR = float(UE8M0_FLOOR)
 _DIV_LO, _DIV_HI = 2.0 ** -125, 2.0 ** 125  # divisors for which div_rn's FMA correction is exact
+_Q_LO = 2.0 ** -100                         # ... and quotients from which it is
 
 if SIM:
     @device
@@ -64,9 +65,10 @@ else:
         """``a / b`` correctly rounded, from ``rb = RN(1/b)`` (computed once per row or group):
         one correction step with exact FMA remainders (Markstein's theorem), which avoids a full
         ``div.rn.f32`` per element. The theorem needs ``b`` and ``1/b`` normal and the quotient
-        finite: a scale outside ``[2^-125, 2^125]`` (subnormal, zero, huge, infinite or NaN --
-        a group of tiny values with ``eps = 0``, an unchecked ``scale_ub``) takes IEEE's
-        ``div.rn.f32`` instead (the branch is uniform: one scale per row or group), and a
+        finite and normal: a scale outside ``[2^-125, 2^125]`` (subnormal, zero, huge, infinite
+        or NaN -- a group of tiny values with ``eps = 0``, an unchecked ``scale_ub``) takes
+        IEEE's ``div.rn.f32`` instead (the branch is uniform: one scale per row or group), as
+        does a quotient below 2^-100 (rare: it encodes as a signed FP8 zero either way); a
         quotient that overflows returns the signed infinity ``a * rb``. When the remainder is
         zero the quotient is exact and returned as is: the correction ``fma(+0, rb, -0)`` would
         turn -0.0 into +0.0; when it is NaN (``a`` infinite) the quotient already is IEEE's.
@@ -75,6 +77,8 @@ else:
         if not (abs(b) >= float32(_DIV_LO) and abs(b) <= float32(_DIV_HI)):
             return a / b
         q = a * rb
+        if abs(q) < float32(_Q_LO):  # the remainder could underflow: IEEE (zeros stay signed)
+            return a / b
         r = cuda.fma(-q, b, a)
         if not abs(r) > float32(0) or not abs(q) < float32(np.inf):  # q exact, or a / b not finite
             return q
