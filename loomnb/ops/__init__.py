@@ -18,5 +18,5 @@ for _family in FAMILIES:
     for _name in _module.__all__:
         globals()[_name] = getattr(_module, _name)
     OPS += list(_module.__all__)
-del _family, _module, _name
+del _family, _module, _name, importlib, pkgutil
 __all__ = ["FAMILIES", "OPS", "launch_cache_info", "clear_launch_cache", *OPS]

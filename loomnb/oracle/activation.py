@@ -189,8 +189,8 @@ def _nanmax_abs(v, axis=None, keepdims=False):
 
 
 def _static(v, scale):
-    inv = F32(1) / F32(np.asarray(scale, F32).reshape(-1)[0])
-    with _errs():
+    with _errs():  # a zero scale gives 1/scale = inf, as vLLM
+        inv = F32(1) / F32(np.asarray(scale, F32).reshape(-1)[0])
         return e4m3_encode(clamp_fp8(np.asarray(v, F32) * inv))
 
 
