@@ -54,6 +54,13 @@
 #                                   # the RoPE GPU tests and the plug-in's tests against this vLLM;
 #                                   # AB_CONFIGS=vllm_ops,loomnb_norms,loomnb_silu,loomnb_rope: which
 #                                   # op a token difference comes from)
+#   bash scripts/gpu_session.sh V   # one GPU, after staging numpy,vllm,model: the whole GPU suite
+#                                   # under pytest-xdist (-n 8; the zero-size sweep, the property
+#                                   # tests and the no-recompile check included), then
+#                                   # compute-sanitizer memcheck of the zero-size sweep and the
+#                                   # property tests (every op, small shapes) and racecheck of the
+#                                   # property tests (FUZZ=examples per op, default 3)
+#   bash scripts/gpu_session.sh W   # one GPU: the whole GPU suite in plain order (no xdist)
 # Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
 # with the other GPU's process. Everything (logs, result JSON/CSV) goes into one archive
 # $OUT/session_<part>.tgz, and the summary lines are printed last.
@@ -112,7 +119,26 @@ decode_step() {  # decode_step GPU LIMIT PROVIDERS: the graphed decode-step benc
   grep -E "^(forward|reversed) +loomnb" "$R/decode.log" >> "$R/bench_$gpu.log"
 }
 
-if [ "$part" = P ]; then  # session 4, right after the last receive of numpy,vllm,fa3,flashinfer,liger
+sanitize() {  # sanitize TOOL LIMIT FILES...: compute-sanitizer TOOL over the gpu tests of FILES
+  local tool=$1 limit=$2; shift 2
+  timeout "$limit" compute-sanitizer --tool "$tool" --report-api-errors no --print-limit 20 \
+    --error-exitcode 9 python3 -m pytest -q -m gpu "$@" -p no:cacheprovider -p no:xdist \
+    >> "$R/memcheck_$tool.log" 2>&1
+  echo "$tool [$*] rc=$?" >> "$R/memcheck_$tool.log"
+}
+
+if [ "$part" = V ]; then
+  timeout 330 python3 -m pytest -q -rs -m gpu -n 8 tests -p no:cacheprovider > "$R/pytest_xdist.log" 2>&1
+  echo "pytest xdist rc=$?" >> "$R/pytest_xdist.log"
+  LOOMNB_FUZZ_EXAMPLES=${FUZZ:-3} sanitize memcheck 150 tests/test_zero_size.py tests/test_fuzz.py
+  LOOMNB_FUZZ_EXAMPLES=2 sanitize racecheck 90 tests/test_fuzz.py
+  report 0
+elif [ "$part" = W ]; then
+  timeout 540 python3 -m pytest -q -rs -m gpu tests -p no:cacheprovider -p no:xdist \
+    > "$R/pytest_plain.log" 2>&1
+  echo "pytest plain rc=$?" >> "$R/pytest_plain.log"
+  report 0
+elif [ "$part" = P ]; then  # session 4, right after the last receive of numpy,vllm,fa3,flashinfer,liger
   ( bench 0 attention_full_32 280 benchmarks/bench_attention.py --full --flashinfer \
       --providers loomnb,fa3,flashinfer,flashinfer_tc,vllm,torch --geometries 32/8/128 --repeats 7 --target-ms 1
     bench 0 attention_full_9 250 benchmarks/bench_attention.py --full --flashinfer \
