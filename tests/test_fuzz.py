@@ -56,13 +56,14 @@ def check_case(name, dims, kind, special, seed, mode):
         got, args = to_host(got), to_host(args)
     with np.errstate(all="ignore"):
         want = getattr(loomnb.oracle, name)(*oracle_args[0], **oracle_args[1])
-    c.compare(got, want, kind, what, mode)
+    c.compare(got, want, kind, what, mode, inputs=before[0])
     for i, (a, a_oracle, a_before) in enumerate(zip(_arrays(args), _arrays(oracle_args[0]),
                                                     _arrays(before[0]))):
         if np.array_equal(bits(a_oracle), bits(a_before)):  # an input: must be unmodified
             assert_same(a, a_before, f"{what}: argument {i} was modified")
         else:  # mutated in place: as the oracle mutates it
-            c.compare(a, a_oracle, kind, f"{what}: argument {i} after the call", mode)
+            c.compare(a, a_oracle, kind, f"{what}: argument {i} after the call", mode,
+                      inputs=before[0])
 
 
 def _draw(data, c):

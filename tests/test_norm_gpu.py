@@ -573,10 +573,9 @@ def test_empty_exports_with_a_null_pointer_are_no_ops(ptr):
     w = rand((4096,), "f32", seed=2)
     y = loomnb.rms_norm(_NullExport((0, 4096), ptr), _Export(w), EPS)
     assert tuple(y.shape) == (0, 4096)
-    q, s = loomnb.dynamic_per_token_scaled_fp8_quant(_NullExport((0, 4096), ptr))
     g = loomnb.silu_and_mul(_NullExport((0, 8192), ptr))
     torch.cuda.synchronize()
-    assert tuple(q.shape) == (0, 4096) and tuple(s.shape) == (0, 1) and tuple(g.shape) == (0, 4096)
+    assert tuple(g.shape) == (0, 4096)
 
 
 def test_row_strides_of_2_31_elements_and_more():
