@@ -37,28 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ._names import BACKENDS, LOOMNB_OPS, TORCH_OPS
-
-
-def _write_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
-                 k_scale=None, v_scale=None):
-    """vLLM's ``reshape_and_cache_flash`` in torch: rows to (slot // block_size, slot %
-    block_size) of strided caches, cast to the cache dtype (``"auto"``) or as E4M3 codes
-    (``"fp8"``: :func:`loomnb.models.paged_cache.fp8_e4m3_codes`, the op's rule, so the bytes
-    equal loomnb's). Static shapes, no host sync (CUDA-graph capturable), hence no mask: a
-    padding slot (-1) wraps to the last block's last row, the scratch block that
-    ``PagedKVCache`` never hands out (loomnb's op skips the slot instead)."""
-    from .paged_cache import fp8_e4m3_codes
-
-    block_size = key_cache.shape[1]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    if kv_cache_dtype == "fp8":
-        key_cache[blocks, offsets] = fp8_e4m3_codes(key, k_scale).view(key_cache.dtype)
-        value_cache[blocks, offsets] = fp8_e4m3_codes(value, v_scale).view(value_cache.dtype)
-        return
-    if kv_cache_dtype != "auto":
-        raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8'; got {kv_cache_dtype!r}")
-    key_cache[blocks, offsets] = key.to(key_cache.dtype)
-    value_cache[blocks, offsets] = value.to(value_cache.dtype)
+from .paged_cache import paged_attention, reshape_and_cache
 
 
 class TorchReferenceOps:
@@ -106,7 +85,7 @@ class TorchReferenceOps:
             heads[..., xs] = new_x
             heads[..., ys] = new_y
         num_kv_heads = key_cache.shape[2]
-        _write_cache(key.view(num_tokens, num_kv_heads, head_size),
+        reshape_and_cache(key.view(num_tokens, num_kv_heads, head_size),
                      value.reshape(num_tokens, num_kv_heads, head_size), key_cache, value_cache,
                      slot_mapping, kv_cache_dtype, k_scale, v_scale)
 
@@ -116,7 +95,6 @@ class TorchReferenceOps:
         """The decode attention's float64 value rounded once to the query dtype (what
         ``loomnb.oracle.paged_decode_attention`` computes; the kernel's fp32 online softmax
         lands within its tolerance of it)."""
-        from .paged_cache import paged_attention
         positions = (seq_lens - 1).to(torch.long)
         return paged_attention(query, key_cache, value_cache, block_tables, seq_lens, positions,
                                scale, acc_dtype=torch.float64, k_scale=k_scale, v_scale=v_scale)
@@ -165,14 +143,13 @@ class TorchOps(TorchReferenceOps):
             x, y = heads[..., xs].float(), heads[..., ys].float()
             heads[..., xs], heads[..., ys] = (x * cos - y * sin).to(t.dtype), (x * sin + y * cos).to(t.dtype)
         num_kv_heads = key_cache.shape[2]
-        _write_cache(key.view(num_tokens, num_kv_heads, head_size),
+        reshape_and_cache(key.view(num_tokens, num_kv_heads, head_size),
                      value.reshape(num_tokens, num_kv_heads, head_size), key_cache, value_cache,
                      slot_mapping, kv_cache_dtype, k_scale, v_scale)
 
     @staticmethod
     def decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
                          kv_cache_dtype="auto", k_scale=None, v_scale=None):
-        from .paged_cache import paged_attention
         return paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                (seq_lens - 1).to(torch.long), scale, k_scale=k_scale,
                                v_scale=v_scale)

@@ -152,16 +152,25 @@ def compute_slot_mapping(block_tables, seq_idx, positions, block_size: int) -> t
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
                       k_scale=None, v_scale=None) -> None:
-    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` to their slots of the
-    (strided) ``[num_blocks, block_size, num_kv_heads, head_size]`` caches, at block ``slot //
-    block_size``, offset ``slot % block_size``, as the cache dtype (``kv_cache_dtype="fp8"``:
-    :func:`fp8_e4m3_codes` with ``k_scale``/``v_scale``). A padding slot (-1) lands in the last
-    block's last row, which :class:`PagedKVCache` reserves (vLLM's op skips it).
+    """vLLM's ``reshape_and_cache_flash`` in torch: write ``key``/``value`` ``[num_tokens,
+    num_kv_heads, head_size]`` to their slots of the (strided) ``[num_blocks, block_size,
+    num_kv_heads, head_size]`` caches, at block ``slot // block_size``, offset ``slot %
+    block_size``, cast to the cache dtype (``"auto"``) or as E4M3 codes (``"fp8"``:
+    :func:`fp8_e4m3_codes` with ``k_scale``/``v_scale``, the op's rule, so the bytes equal
+    loomnb's). Static shapes, no host sync (CUDA-graph capturable), hence no mask: a padding
+    slot (-1) wraps to the last block's last row, the scratch block that :class:`PagedKVCache`
+    never hands out (loomnb's op skips the slot instead).
     Mutates: ``key_cache``, ``value_cache``."""
-    from .backends import _write_cache
-
-    _write_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale,
-                 v_scale)
+    block_size = key_cache.shape[1]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    if kv_cache_dtype == "fp8":
+        key_cache[blocks, offsets] = fp8_e4m3_codes(key, k_scale).view(key_cache.dtype)
+        value_cache[blocks, offsets] = fp8_e4m3_codes(value, v_scale).view(value_cache.dtype)
+        return
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8'; got {kv_cache_dtype!r}")
+    key_cache[blocks, offsets] = key.to(key_cache.dtype)
+    value_cache[blocks, offsets] = value.to(value_cache.dtype)
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, positions, scale,
