@@ -342,6 +342,7 @@ def compare_greedy(a: GenerationResult, b: GenerationResult, ulps=2.0):
 
 
 def _cut_at_stop(ids, stop_ids):
+    """``ids`` up to (not including) the first stop token: what the texts decode."""
     for n, i in enumerate(ids):
         if i in stop_ids:
             return ids[:n]
@@ -359,6 +360,7 @@ def _prefill_progress(progress, done_before: int, total: int):
 
 
 def _sync(device: torch.device) -> None:
+    """Wait for ``device``'s work before a host clock is read (nothing to wait for on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

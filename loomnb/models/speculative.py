@@ -48,19 +48,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .llama import GenerationResult, ModelRunner
+from .llama import GenerationResult, ModelRunner, _cut_at_stop, _dtype_name, _sync
 from .paged_cache import BLOCK_SIZE, cdiv, compute_slot_mapping
 
 PLACEHOLDER = -1
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _cut_at_stop(ids, stop_ids):
-    return next((ids[:n] for n, i in enumerate(ids) if i in stop_ids), ids)
 
 
 def _take(new, limit, stop_ids):
@@ -447,7 +438,7 @@ class SpeculativeRunner(ModelRunner):
             num_decode_tokens=sum(len(t) - 1 for t in token_ids), top_logits=top_logits,
             token_logprobs=[[lp for lp, _ in t] for t in lps] if logprobs else None,
             token_ranks=[[rk for _, rk in t] for t in lps] if logprobs else None,
-            dtype=str(self.model.dtype).removeprefix("torch."),
+            dtype=_dtype_name(self.model.dtype),
             method="ngram", num_speculative_tokens=k, prompt_lookup=(lookup_min, lookup_max),
             cuda_graph=cuda_graph, graph_capture_s=sum(p.capture_s for p in passes.values()), **res)
 
