@@ -154,7 +154,8 @@ def run_loop(model, backend, token_ids, steps, modes=MODES, warmup=2, kv_cache_d
             [runner.kv_cache.allocator.allocate(max_blocks) for _ in token_ids],
             dtype=torch.int32, device=dev)
         last = [runner.prefill(ids, block_tables[i:i + 1])[-1:] for i, ids in enumerate(token_ids)]
-        ids = runner.ops.greedy(model.compute_logits(torch.cat(last)))[0].to(torch.long)
+        logits = model.compute_logits(torch.cat(last))
+        ids = runner.ops.greedy_sample_logprob(logits)[0].to(torch.long)
         positions = torch.tensor([len(t) for t in token_ids], dtype=torch.long, device=dev)
         graphs = {}
         for mode in modes:

@@ -166,6 +166,27 @@ def test_torch_reference_fused_add_is_in_place():
     assert torch.equal(residual, z) and torch.equal(x, expected)
 
 
+def test_backend_methods_are_the_loomnb_ops():
+    """Every backend has one method per ``LOOMNB_OPS`` entry, named as the loomnb op: its
+    positional parameters are the op's leading ones, in the op's order, and its keyword-only
+    ones are the op's too (checked against ``loomnb.oracle``, which mirrors the ops)."""
+    import inspect
+
+    from loomnb import oracle
+    from loomnb.models.backends import LOOMNB_OPS, LoomnbCpuOps, LoomnbCudaOps, TorchOps
+
+    def params(fn):
+        ps = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
+        return ([p.name for p in ps if p.kind is not p.KEYWORD_ONLY],
+                {p.name for p in ps if p.kind is p.KEYWORD_ONLY})
+
+    for backend in (TorchReferenceOps, TorchOps, LoomnbCpuOps, LoomnbCudaOps):
+        for name in LOOMNB_OPS:
+            pos, kw = params(getattr(backend, name))
+            op_pos, op_kw = params(getattr(oracle, name))
+            assert pos == op_pos[:len(pos)] and kw <= op_kw, (backend.__name__, name, pos, kw)
+
+
 def test_loomnb_cpu_backend_matches_oracle_and_torch_reference():
     pytest.importorskip("loomnb.oracle", reason="loomnb.oracle (package core) not importable")
     import ml_dtypes
@@ -294,9 +315,9 @@ def test_decode_graphs_load_checks_and_outputs():
 
 
 def test_fp8_cache_bytes_equal_between_loomnb_cpu_and_torch():
-    """The same k/v through rope_and_cache with kv_cache_dtype="fp8": the loomnb oracle's E4M3
-    codes equal the torch backends' (float32 division, saturation at 448, RNE), bit for bit;
-    a padding slot writes nothing the cache's real blocks hold."""
+    """The same k/v through rotary_embedding_and_cache with kv_cache_dtype="fp8": the loomnb
+    oracle's E4M3 codes equal the torch backends' (float32 division, saturation at 448, RNE),
+    bit for bit; a padding slot writes nothing the cache's real blocks hold."""
     from loomnb.models.backends import LoomnbCpuOps, TorchOps
     from loomnb.models.paged_cache import PagedKVCache, fp8_e4m3_codes
 
@@ -314,8 +335,9 @@ def test_fp8_cache_bytes_equal_between_loomnb_cpu_and_torch():
         cache = PagedKVCache(1, 2, BLOCK_SIZE, Hk, D, torch.bfloat16, "cpu", "fp8")
         x = qkv.clone()
         q, k, v = x.split([Hq * D, Hk * D, Hk * D], dim=-1)
-        ops.rope_and_cache(positions, q, k, v, cache.key_caches[0], cache.value_caches[0], slots,
-                           cos_sin, D, True, "fp8", *k_scale)
+        ops.rotary_embedding_and_cache(positions, q, k, v, cache.key_caches[0],
+                                       cache.value_caches[0], slots, D, cos_sin, True, "fp8",
+                                       *k_scale)
         caches[ops.name] = (cache.kv_caches[0][:2].clone(), k.clone(), v.clone())
     ref_kv, ref_k, ref_v = caches["loomnb-cpu"]
     assert ref_kv.dtype == torch.uint8 and ref_kv.any()

@@ -1,24 +1,26 @@
 """Ops backends: the memory-bound operators of the decode loop, swappable as a unit.
 
-A backend has ``name``, ``loomnb_ops`` (the ops it runs through loomnb) and:
+A backend has ``name``, ``loomnb_ops`` (the ops it runs through loomnb) and one method per op
+of ``LOOMNB_OPS``, named and ordered as the loomnb op (``loomnb.<name>``) it stands for:
 
 * ``rms_norm(x, weight, eps) -> y`` (new tensor);
 * ``fused_add_rms_norm(x, residual, weight, eps) -> (x, residual)``, in place:
   ``residual <- r(x + residual)``, ``x <- rms_norm(residual)``;
-* ``rope_and_cache(positions, query, key, value, key_cache, value_cache, slot_mapping,
-  cos_sin_cache, head_size, is_neox, kv_cache_dtype="auto", k_scale=None, v_scale=None)``:
-  NeoX (or GPT-J) rotary embedding of ``query``/``key`` in place (views of the fused QKV
-  projection, ``[num_tokens, num_heads * head_size]`` with the QKV row stride) and the rotated
-  key and the value written to the paged cache at ``slot_mapping`` (slots < 0 write nothing
-  that is read: loomnb skips them, torch sends them to the scratch block), as bits
-  (``"auto"``) or as ``uint8`` E4M3 codes of ``x / scale`` (``"fp8"``; float32 ``[1]``
+* ``rotary_embedding_and_cache(positions, query, key, value, key_cache, value_cache,
+  slot_mapping, head_size, cos_sin_cache, is_neox, kv_cache_dtype="auto", k_scale=None,
+  v_scale=None)``: NeoX (or GPT-J) rotary embedding of ``query``/``key`` in place (views of the
+  fused QKV projection, ``[num_tokens, num_heads * head_size]`` with the QKV row stride) and
+  the rotated key and the value written to the paged cache at ``slot_mapping`` (slots < 0
+  write nothing that is read: loomnb skips them, torch sends them to the scratch block), as
+  bits (``"auto"``) or as ``uint8`` E4M3 codes of ``x / scale`` (``"fp8"``; float32 ``[1]``
   scales: ``loomnb.reshape_and_cache_flash``'s rule);
-* ``decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
+* ``paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, *,
   kv_cache_dtype="auto", k_scale=None, v_scale=None) -> out``, one query token per sequence,
-  ``[num_seqs, num_heads * head_size]``; an FP8 cache is read as ``f32(code) * scale``;
+  ``[num_seqs, num_heads * head_size]`` (the op's heads flattened); an FP8 cache is read as
+  ``f32(code) * scale``;
 * ``silu_and_mul(x) -> y``: ``silu(x[..., :d]) * x[..., d:]``;
-* ``greedy(logits) -> (token_ids int64, logprob fp32, rank int64)``: argmax (lowest index on
-  ties) and the token's log-softmax and rank (vLLM's V1 sampler).
+* ``greedy_sample_logprob(logits) -> (token_ids int64, logprob fp32, rank int64)``: argmax
+  (lowest index on ties) and the token's log-softmax and rank (vLLM's V1 sampler).
 
 Caches are per-layer strided views ``[num_blocks, block_size, num_kv_heads, head_size]`` of
 the interleaved ``(num_blocks, 2, block_size, num_kv_heads, head_size)`` layout of vLLM 0.24's
@@ -63,9 +65,9 @@ class TorchReferenceOps:
         return x, residual
 
     @staticmethod
-    def rope_and_cache(positions, query, key, value, key_cache, value_cache, slot_mapping,
-                       cos_sin_cache, head_size, is_neox=True, kv_cache_dtype="auto", k_scale=None,
-                       v_scale=None):
+    def rotary_embedding_and_cache(positions, query, key, value, key_cache, value_cache,
+                                   slot_mapping, head_size, cos_sin_cache, is_neox,
+                                   kv_cache_dtype="auto", k_scale=None, v_scale=None):
         """The rotation as vLLM's CUDA op computes it: ``x' = fma(x, c, -r32(y*s))``,
         ``y' = fma(x, s, r32(y*c))`` in fp32 (emulated in float64: the float32 products are
         exact there), rounded once to the query dtype, ``(x, y)`` the two halves (NeoX) or the
@@ -86,12 +88,12 @@ class TorchReferenceOps:
             heads[..., ys] = new_y
         num_kv_heads = key_cache.shape[2]
         reshape_and_cache(key.view(num_tokens, num_kv_heads, head_size),
-                     value.reshape(num_tokens, num_kv_heads, head_size), key_cache, value_cache,
-                     slot_mapping, kv_cache_dtype, k_scale, v_scale)
+                          value.reshape(num_tokens, num_kv_heads, head_size), key_cache,
+                          value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
 
     @staticmethod
-    def decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                         kv_cache_dtype="auto", k_scale=None, v_scale=None):
+    def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, *,
+                               kv_cache_dtype="auto", k_scale=None, v_scale=None):
         """The decode attention's float64 value rounded once to the query dtype (what
         ``loomnb.oracle.paged_decode_attention`` computes; the kernel's fp32 online softmax
         lands within its tolerance of it)."""
@@ -110,7 +112,7 @@ class TorchReferenceOps:
         return (s.float() * u).to(x.dtype)
 
     @staticmethod
-    def greedy(logits):
+    def greedy_sample_logprob(logits):
         lf = logits.float()
         ids = torch.argmax(lf, dim=-1)
         lp = torch.log_softmax(lf, dim=-1)
@@ -129,9 +131,9 @@ class TorchOps(TorchReferenceOps):
     name = "torch"
 
     @staticmethod
-    def rope_and_cache(positions, query, key, value, key_cache, value_cache, slot_mapping,
-                       cos_sin_cache, head_size, is_neox=True, kv_cache_dtype="auto", k_scale=None,
-                       v_scale=None):
+    def rotary_embedding_and_cache(positions, query, key, value, key_cache, value_cache,
+                                   slot_mapping, head_size, cos_sin_cache, is_neox,
+                                   kv_cache_dtype="auto", k_scale=None, v_scale=None):
         num_tokens = positions.shape[0]
         rot = cos_sin_cache.shape[1]
         cos, sin = cos_sin_cache.index_select(0, positions).float().chunk(2, dim=-1)
@@ -144,12 +146,12 @@ class TorchOps(TorchReferenceOps):
             heads[..., xs], heads[..., ys] = (x * cos - y * sin).to(t.dtype), (x * sin + y * cos).to(t.dtype)
         num_kv_heads = key_cache.shape[2]
         reshape_and_cache(key.view(num_tokens, num_kv_heads, head_size),
-                     value.reshape(num_tokens, num_kv_heads, head_size), key_cache, value_cache,
-                     slot_mapping, kv_cache_dtype, k_scale, v_scale)
+                          value.reshape(num_tokens, num_kv_heads, head_size), key_cache,
+                          value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
 
     @staticmethod
-    def decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                         kv_cache_dtype="auto", k_scale=None, v_scale=None):
+    def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, *,
+                               kv_cache_dtype="auto", k_scale=None, v_scale=None):
         return paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                (seq_lens - 1).to(torch.long), scale, k_scale=k_scale,
                                v_scale=v_scale)
@@ -201,17 +203,17 @@ class LoomnbCpuOps:
         self.o.fused_add_rms_norm(_to_numpy(x), _to_numpy(residual), _to_numpy(weight), eps)
         return x, residual
 
-    def rope_and_cache(self, positions, query, key, value, key_cache, value_cache, slot_mapping,
-                       cos_sin_cache, head_size, is_neox=True, kv_cache_dtype="auto", k_scale=None,
-                       v_scale=None):
+    def rotary_embedding_and_cache(self, positions, query, key, value, key_cache, value_cache,
+                                   slot_mapping, head_size, cos_sin_cache, is_neox,
+                                   kv_cache_dtype="auto", k_scale=None, v_scale=None):
         self.o.rotary_embedding_and_cache(
             _to_numpy(positions), _to_numpy(query), _to_numpy(key), _to_numpy(value),
             _to_numpy(key_cache), _to_numpy(value_cache), _to_numpy(slot_mapping), head_size,
             _to_numpy(cos_sin_cache), is_neox, kv_cache_dtype, _scale_numpy(k_scale),
             _scale_numpy(v_scale))
 
-    def decode_attention(self, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                         kv_cache_dtype="auto", k_scale=None, v_scale=None):
+    def paged_decode_attention(self, query, key_cache, value_cache, block_tables, seq_lens,
+                               scale, *, kv_cache_dtype="auto", k_scale=None, v_scale=None):
         out = self.o.paged_decode_attention(_to_numpy(query), _to_numpy(key_cache),
                                             _to_numpy(value_cache), _to_numpy(block_tables),
                                             _to_numpy(seq_lens), scale,
@@ -223,7 +225,7 @@ class LoomnbCpuOps:
     def silu_and_mul(self, x):
         return _to_torch(self.o.silu_and_mul(_to_numpy(x)))
 
-    def greedy(self, logits):
+    def greedy_sample_logprob(self, logits):
         ids, lp, rank = self.o.greedy_sample_logprob(_to_numpy(logits))
         return _to_torch(ids), _to_torch(lp), _to_torch(rank)
 
@@ -246,9 +248,9 @@ class LoomnbCudaOps:
         self.m.fused_add_rms_norm(x, residual, weight, eps)
         return x, residual
 
-    def rope_and_cache(self, positions, query, key, value, key_cache, value_cache, slot_mapping,
-                       cos_sin_cache, head_size, is_neox=True, kv_cache_dtype="auto", k_scale=None,
-                       v_scale=None):
+    def rotary_embedding_and_cache(self, positions, query, key, value, key_cache, value_cache,
+                                   slot_mapping, head_size, cos_sin_cache, is_neox,
+                                   kv_cache_dtype="auto", k_scale=None, v_scale=None):
         if cos_sin_cache.dtype == torch.float32:  # the fused op takes a cache of the query dtype
             self.m.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
             self.m.reshape_and_cache_flash(key.view(key.shape[0], -1, head_size),
@@ -260,8 +262,8 @@ class LoomnbCudaOps:
                                           slot_mapping, head_size, cos_sin_cache, is_neox,
                                           kv_cache_dtype, k_scale, v_scale)
 
-    def decode_attention(self, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                         kv_cache_dtype="auto", k_scale=None, v_scale=None):
+    def paged_decode_attention(self, query, key_cache, value_cache, block_tables, seq_lens,
+                               scale, *, kv_cache_dtype="auto", k_scale=None, v_scale=None):
         out = self.m.paged_decode_attention(query, key_cache, value_cache, block_tables,
                                             seq_lens, scale, kv_cache_dtype=kv_cache_dtype,
                                             k_scale=k_scale, v_scale=v_scale)
@@ -270,7 +272,7 @@ class LoomnbCudaOps:
     def silu_and_mul(self, x):
         return self.m.silu_and_mul(x)
 
-    def greedy(self, logits):
+    def greedy_sample_logprob(self, logits):
         return self.m.greedy_sample_logprob(logits)
 
 

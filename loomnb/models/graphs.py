@@ -26,7 +26,7 @@ the only host work per token::
     slot_mapping = block_tables[seq_idx, positions // block_size] * block_size
                    + positions % block_size          (-1 where seq_idx < 0)
     seq_lens = positions + 1                          (int32)
-    logits = runner.decode_logits(...);  ids, logprob, rank = ops.greedy(logits)
+    logits = runner.decode_logits(...);  ids, logprob, rank = ops.greedy_sample_logprob(logits)
     tokens[:, step], logprobs[:, step], ranks[:, step] = ids, logprob, rank
     input_ids = ids;  positions += valid;  step += 1
 
@@ -170,7 +170,7 @@ class DecodeGraphs:
             top = logits.float().topk(self.num_top_logits, dim=-1)
             st.top_ids.index_copy_(1, st.step, top.indices.unsqueeze(1))
             st.top_vals.index_copy_(1, st.step, top.values.unsqueeze(1))
-        nxt, lp, rank = r.ops.greedy(logits)
+        nxt, lp, rank = r.ops.greedy_sample_logprob(logits)
         st.tokens.index_copy_(1, st.step, nxt.to(torch.long).view(-1, 1))
         st.logprobs.index_copy_(1, st.step, lp.to(torch.float32).view(-1, 1))
         st.ranks.index_copy_(1, st.step, rank.to(torch.long).view(-1, 1))

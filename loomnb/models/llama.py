@@ -182,13 +182,14 @@ class LlamaModel:
             if calibrate:  # vLLM's calculate_kv_scales: amax of the rotated key, of the value
                 kv_cache.calibrate(i, self.rotary(positions, q, k)[1], v)
             ks, vs = kv_cache.k_scales[i], kv_cache.v_scales[i]
-            ops.rope_and_cache(positions, q, k, v, kc, vc, slot_mapping,
-                               self.rotary.cos_sin_cache, cfg.head_size,
-                               self.rotary.is_neox_style, kv_dtype, ks, vs)
+            ops.rotary_embedding_and_cache(positions, q, k, v, kc, vc, slot_mapping,
+                                           cfg.head_size, self.rotary.cos_sin_cache,
+                                           self.rotary.is_neox_style, kv_dtype, ks, vs)
             q = q.view(num_tokens, cfg.num_heads, cfg.head_size)
             if decode:
-                attn = ops.decode_attention(q, kc, vc, block_tables, seq_lens, self.scale,
-                                            kv_dtype, ks, vs)
+                attn = ops.paged_decode_attention(q, kc, vc, block_tables, seq_lens, self.scale,
+                                                  kv_cache_dtype=kv_dtype, k_scale=ks,
+                                                  v_scale=vs)
             else:
                 attn = paged_attention(q, kc, vc, block_tables, seq_lens, positions, self.scale,
                                        k_scale=ks, v_scale=vs)
@@ -405,8 +406,8 @@ class ModelRunner:
         ``slot_mapping`` ``[num_seqs]`` (int64), ``block_tables`` int32 ``[num_seqs,
         max_blocks]``, ``seq_lens`` int32 (including the new token). Returns next token ids
         (int64 ``[num_seqs]``). Static shapes, device-only: CUDA-graph capturable."""
-        return self.ops.greedy(self.decode_logits(input_ids, positions, slot_mapping,
-                                                  block_tables, seq_lens))[0]
+        logits = self.decode_logits(input_ids, positions, slot_mapping, block_tables, seq_lens)
+        return self.ops.greedy_sample_logprob(logits)[0]
 
     @torch.inference_mode()
     def generate(self, prompt_token_ids: list[list[int]], max_new_tokens: int,
@@ -460,7 +461,7 @@ class ModelRunner:
             if num_top_logits:
                 top = logits.float().topk(num_top_logits, dim=-1)
                 tops.append((top.indices, top.values))
-            ids, lp, rank = self.ops.greedy(logits)
+            ids, lp, rank = self.ops.greedy_sample_logprob(logits)
             logprobs.append((lp, rank))
             return ids
 

@@ -111,7 +111,7 @@ def step_kernel_counts(runner, num_seqs: int, context: int = 16) -> dict:
             hidden = model.forward(st.input_ids, st.positions, slots, st.block_tables,
                                    (st.positions + 1).to(torch.int32), runner.kv_cache,
                                    runner.ops, on_layer=on_layer, decode=True)
-            runner.ops.greedy(model.compute_logits(hidden))
+            runner.ops.greedy_sample_logprob(model.compute_logits(hidden))
         except _Stop:
             pass
 

@@ -33,7 +33,7 @@ A sequence ends at its first stop token (``stop_token_ids``; the token is kept, 
 pass emitted after it is dropped), the decode when every sequence has ended or has its
 ``max_new_tokens``. ``logprobs=True`` also gives each emitted token's log-probability and rank:
 the emitted tokens are the argmax of their rows, so the backend's greedy sampler
-(``ops.greedy``, as the plain loop's) on every row of the pass gives them.
+(``ops.greedy_sample_logprob``, as the plain loop's) on every row of the pass gives them.
 
 Reports: ``acceptance_rate`` (accepted / proposed drafts), ``tokens_per_step`` (tokens a
 sequence gets from one target pass, averaged over the passes it took part in), decode tokens/s.
@@ -170,7 +170,7 @@ class _Pass:
     def __init__(self, runner, block_tables, k, cuda_graph, num_top_logits, plain=False,
                  logprobs=False):
         self.runner, self.k, self.graph, self.plain = runner, k, None, plain
-        self.logprobs = logprobs  # also each row's greedy logprob and rank (ops.greedy)
+        self.logprobs = logprobs  # also each row's logprob and rank (ops.greedy_sample_logprob)
         self.capture_s = 0.0  # warm-up run + capture of the graph (CUDA graphs only)
         self.cuda_graph, self.num_top_logits = cuda_graph, num_top_logits
         dev = runner.model.device
@@ -213,7 +213,7 @@ class _Pass:
             top = logits.float().topk(self.num_top_logits, dim=-1)
             self.tops = (top.indices, top.values)
         if self.logprobs:
-            _, lp, rank = r.ops.greedy(logits)
+            _, lp, rank = r.ops.greedy_sample_logprob(logits)
             self.lps = (lp, rank)
 
     def _step(self):
@@ -349,7 +349,7 @@ class SpeculativeRunner(ModelRunner):
                 top = logits.float().topk(num_top_logits, dim=-1)
                 tops[i].append((top.indices[0].cpu(), top.values[0].cpu()))
             if logprobs:
-                _, lp, rank = self.ops.greedy(logits)
+                _, lp, rank = self.ops.greedy_sample_logprob(logits)
                 lps[i].append((float(lp.view(-1)[0]), int(rank.view(-1)[0])))
         _sync(dev)
         t1 = time.perf_counter()
