@@ -56,17 +56,6 @@ def storage_dtype(kind: str) -> np.dtype:
     return np.dtype(DTYPES[kind].storage)
 
 
-def numba_storage(kind: str):
-    """The numba scalar type of ``kind``'s storage."""
-    from numba import types
-    return getattr(types, DTYPES[kind].storage)
-
-
 def torch_dtype(kind: str):
     import torch
     return getattr(torch, DTYPES[kind].name)
-
-
-def kind_of_torch(dtype) -> str | None:
-    """``torch.bfloat16`` -> ``"bf16"``; None for a dtype loomnb does not know."""
-    return KIND_OF_NAME.get(str(dtype).replace("torch.", ""))

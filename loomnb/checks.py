@@ -55,35 +55,10 @@ def check_shape(op, name, arr, shape, dims):
         fail_value(op, name, f"of shape {list(shape)} ({dims})", f"shape {list(arr.shape)}")
 
 
-def check_last_contiguous(op, name, arr):
-    if arr.ndim and arr.shape[-1] > 1 and arr.strides[-1] != 1 and 0 not in arr.shape:
-        fail_value(op, name, "contiguous in its last dimension (stride 1)",
-                   f"strides {arr.strides} (in elements)")
-
-
-def check_contiguous(op, name, arr):
-    if not arr.is_c_contiguous():
-        fail_value(op, name, "C-contiguous", f"shape {arr.shape} with strides {arr.strides} (in elements)")
-
-
-def check_rows_non_overlapping(op, name, arr):
-    """A 2-D array we write must not map two rows onto the same memory."""
-    if arr.shape[0] > 1 and arr.shape[1] > 0 and abs(arr.strides[0]) < arr.shape[1]:
-        fail_value(op, name, "a writable 2-D array whose rows do not overlap",
-                   f"row stride {arr.strides[0]} for rows of {arr.shape[1]} elements")
-
-
 def check_same_device(op, name, arr, ref_name, ref):
     if arr.device != ref.device:
         fail_value(op, name, f"on the same device as '{ref_name}' (cuda:{ref.device})",
                    f"an array on cuda:{arr.device}")
-
-
-def check_not_aliased(op, name, arr, other_name, other):
-    """Two buffers the op reads and writes must be distinct (no partial or full overlap)."""
-    if arr.overlaps(other):
-        fail_value(op, name, f"a buffer that does not overlap '{other_name}'",
-                   "overlapping memory")
 
 
 def check_eps(op, eps):

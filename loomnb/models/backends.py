@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ._names import BACKENDS, LOOMNB_OPS, TORCH_OPS
+from ._names import BACKENDS, LOOMNB_OPS
 from .paged_cache import paged_attention, reshape_and_cache
 
 

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .backends import LOOMNB_OPS, TORCH_OPS, get_backend
+from .backends import get_backend
 from .gguf_loader import GGUFCheckpoint, LlamaConfig, hf_weights, load_checkpoint
 from .paged_cache import BLOCK_SIZE, PagedKVCache, cdiv, compute_slot_mapping, paged_attention
 from .tokenizer import GGUFTokenizer
@@ -90,11 +90,6 @@ class RotaryEmbedding:
         q = self.apply(query.view(num_tokens, -1, self.head_size), cos, sin)
         k = self.apply(key.view(num_tokens, -1, self.head_size), cos, sin)
         return q.reshape(query.shape), k.reshape(key.shape)
-
-
-def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
-    """Argmax over the vocab in fp32; ties go to the lowest token id."""
-    return torch.argmax(logits.float(), dim=-1)
 
 
 @dataclass
