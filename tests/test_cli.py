@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import loomnb
-from loomnb.models import cli
+from loomnb.models import _cli_run, _cli_validate, cli
 from loomnb.models import llama as llama_mod
 from loomnb.models.gguf_loader import (GGUFFormatError, _read_metadata, default_gguf_path,
                                        load_checkpoint, read_header)
@@ -199,14 +199,14 @@ def test_auto_device_follows_the_backend(monkeypatch):
     """``--device auto`` with a GPU picks cuda, except for the CPU-only backend."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     args = cli.build_parser().parse_args(["generate", "--prompt", "x"])
-    assert cli._check_device(args) == ("cuda", "loomnb-cuda")
+    assert _cli_validate._check_device(args) == ("cuda", "loomnb-cuda")
     args.backend = "loomnb-cpu"
-    assert cli._check_device(args) == ("cpu", "loomnb-cpu")
+    assert _cli_validate._check_device(args) == ("cpu", "loomnb-cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args.backend = None
-    assert cli._check_device(args) == ("cpu", "loomnb-cpu")
+    assert _cli_validate._check_device(args) == ("cpu", "loomnb-cpu")
     args.backend = "torch-reference"
-    assert cli._check_device(args) == ("cpu", "torch-reference")
+    assert _cli_validate._check_device(args) == ("cpu", "torch-reference")
 
 
 def test_allow_near_ties_needs_check_reference(capsys, no_load):
@@ -654,15 +654,15 @@ def test_cpu_threads_follow_threads_env_and_load(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.0, 0.0))
-    assert cli.cpu_threads() == (4, "4 CPU(s) available, 1-minute load average 0.2; "
-                                    "--threads N to choose")
+    assert _cli_run.cpu_threads() == (4, "4 CPU(s) available, 1-minute load average 0.2; "
+                                         "--threads N to choose")
     monkeypatch.setattr(os, "getloadavg", lambda: (1.6, 0.0, 0.0))  # two CPUs kept busy
-    assert cli.cpu_threads()[0] == 2
+    assert _cli_run.cpu_threads()[0] == 2
     monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 0.0, 0.0))
-    assert cli.cpu_threads()[0] == 1
+    assert _cli_run.cpu_threads()[0] == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert cli.cpu_threads() == (3, "$OMP_NUM_THREADS")
-    assert cli.cpu_threads(2) == (2, "--threads")
+    assert _cli_run.cpu_threads() == (3, "$OMP_NUM_THREADS")
+    assert _cli_run.cpu_threads(2) == (2, "--threads")
 
 
 def test_threads_option_sets_torch_threads_for_the_run(capsys, tiny_gguf, monkeypatch):

@@ -1,5 +1,10 @@
 """Names the command line needs before torch is imported (``loomnb generate --help``)."""
 
+MODEL = "SmolLM2-135M-Instruct"  # HuggingFaceTB's 135M-parameter instruction-tuned Llama
+DEFAULT_SPECULATIVE_TOKENS = 4  # loomnb generate --speculative's drafts per target pass
+# loomnb's exit codes: done; --check-reference found different tokens; a bad argument; interrupted
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
 # the ops backends (loomnb.models.backends); "torch" is the plain-torch speed baseline
 BACKENDS = ("loomnb-cuda", "loomnb-cpu", "torch-reference", "torch")
 # the memory-bound ops of the decode step that the loomnb backends run through loomnb
