@@ -9,6 +9,7 @@ engine. Tests that need vLLM itself skip, saying so; the ``gpu`` tests run the i
 on CUDA tensors (bit-equal to loomnb's ops and the oracle, graph capture, the traced form).
 """
 
+import contextlib
 import importlib.util
 import inspect
 import json
@@ -29,6 +30,7 @@ from torch.library import infer_schema  # noqa: E402
 
 import loomnb  # noqa: E402
 import loomnb.integrations.vllm as V  # noqa: E402
+import loomnb.integrations.vllm.fallbacks as F  # noqa: E402
 from loomnb import LoomnbValueError  # noqa: E402
 
 pytestmark = pytest.mark.nosim
@@ -228,7 +230,7 @@ def loomnb_ops(monkeypatch):
     monkeypatch.setattr(loomnb, "silu_and_mul", silu_and_mul, raising=False)
     monkeypatch.setattr(loomnb, "apply_rope_with_cos_sin_cache", apply_rope_with_cos_sin_cache,
                         raising=False)
-    monkeypatch.setattr(V, "_CUDA", "cpu")  # route CPU tensors: the stubs run anywhere
+    monkeypatch.setattr(F, "_CUDA", "cpu")  # route CPU tensors: the stubs run anywhere
     return types.SimpleNamespace(silu_and_mul=silu_and_mul,
                                  apply_rope_with_cos_sin_cache=apply_rope_with_cos_sin_cache)
 
@@ -277,10 +279,10 @@ def test_not_cuda_platform_registers_unsupported(fake_vllm):
     assert fake_vllm.ops.rms_norm.impls["loomnb"].supported is False
 
 
-def test_schema_mismatch_refuses_with_a_placeholder(fake_vllm, caplog):
-    """A vLLM whose native signature differs (here ``eps`` for ``epsilon``): nothing of
-    loomnb's is registered; an unsupported placeholder keeps priority lists naming 'loomnb'
-    valid; the listing and the log say why."""
+def test_a_vllm_that_refuses_the_signature_leaves_the_op_to_vllm(fake_vllm, caplog):
+    """A vLLM whose native signature differs (here ``eps`` for ``epsilon``) refuses the
+    registration itself (its ``register_impl`` compares the schemas): nothing of loomnb's is
+    registered for that op, the listing and the log say why, the other op is unaffected."""
     def other_native(x: Tensor, weight: Tensor | None, eps: float,
                      variance_size: int | None = None) -> Tensor:
         raise AssertionError
@@ -289,11 +291,29 @@ def test_schema_mismatch_refuses_with_a_placeholder(fake_vllm, caplog):
     with caplog.at_level("WARNING", logger="vllm.loomnb"):
         V.register()
     r = routes()["vllm.ir.ops.rms_norm"]
-    assert not r.routed and "differs from this vLLM's native" in r.reason and "placeholder" in r.reason
-    placeholder = fake_vllm.ops.rms_norm.impls["loomnb"]
-    assert placeholder.supported is False and placeholder.impl_fn is other_native
-    assert "vllm.ir.ops.rms_norm not routed" in caplog.text
-    assert routes()["vllm.ir.ops.fused_add_rms_norm"].routed  # the other op is unaffected
+    assert not r.routed and r.reason == ("registration failed (ValueError: loomnb: schema does "
+                                         "not match the native one)")
+    assert set(fake_vllm.ops.rms_norm.impls) == {"native"}
+    assert "vllm.ir.ops.rms_norm not routed: registration failed" in caplog.text
+    assert routes()["vllm.ir.ops.fused_add_rms_norm"].routed
+
+
+def test_a_vllm_without_the_classes_says_so(fake_vllm, loomnb_ops, monkeypatch, caplog):
+    """A vLLM without a module, class or IR op the plug-in needs: that op is not routed, with a
+    clear reason in the listing and a warning in the log; the others are registered."""
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.layers.activation", None)
+    del fake_vllm.ops.fused_add_rms_norm
+    with caplog.at_level("WARNING", logger="vllm.loomnb"):
+        V.register()
+    rs = routes()
+    assert rs["SiluAndMul"].reason.startswith(
+        "this vLLM has no vllm.model_executor.layers.activation.SiluAndMul (")
+    assert rs["vllm.ir.ops.fused_add_rms_norm"].reason == ("this vLLM has no "
+                                                         "vllm.ir.ops.fused_add_rms_norm")
+    assert not rs["SiluAndMul"].routed and not rs["vllm.ir.ops.fused_add_rms_norm"].routed
+    assert rs["RotaryEmbedding"].routed and rs["vllm.ir.ops.rms_norm"].routed
+    assert "SiluAndMul not routed: this vLLM has no" in caplog.text
+    assert "vllm.ir.ops.fused_add_rms_norm not routed: this vLLM has no" in caplog.text
 
 
 def test_vllm_not_importable(monkeypatch):
@@ -359,9 +379,12 @@ def test_silu_and_mul_class_routes_and_falls_back(fake_vllm, loomnb_ops):
     op.forward_cuda(torch.randn(8, 3, dtype=BF16).t())                    # strided: vLLM's
     assert CALLS == ["vllm silu_and_mul"] * 3
     assert V.routed_counts() == {"silu_and_mul": 1}
-    assert V.fallback_counts() == {"silu_and_mul": {
+    assert V.fallback_counts() == {"silu_and_mul": {  # the plug-in's reason, then the op's own
         "activation dtype float32 (routed: bfloat16, float16)": 1,
-        "last dimension is not even (x is not [..., 2 * d])": 1, "x not contiguous": 1}}
+        "loomnb.silu_and_mul: argument 'x' must be of shape [..., 2*d] (an even last "
+        "dimension); got shape [2, 7]": 1,
+        "loomnb.silu_and_mul: argument 'x' must be contiguous in its last dimension (stride 1); "
+        "got strides (1, 3) (in elements)": 1}}
 
 
 def test_rotary_embedding_class_routes_and_falls_back(fake_vllm, loomnb_ops):
@@ -383,7 +406,8 @@ def test_rotary_embedding_class_routes_and_falls_back(fake_vllm, loomnb_ops):
     assert CALLS[1:] == ["vllm rotary_embedding"] * 3
     assert V.routed_counts() == {"rotary_embedding": 1}
     assert V.fallback_counts() == {"rotary_embedding": {
-        "positions is not int64 on the query's device": 1,
+        "loomnb.apply_rope_with_cos_sin_cache: argument 'positions' must be of dtype int64; "
+        "got dtype int32": 1,
         "key is None (the out-of-place form rotates a query and a key)": 1,
         "vLLM selected its FlashInfer rotary path": 1}}
 
@@ -438,7 +462,7 @@ def test_replaced_custom_ops_keep_vllms_own_names(fake_vllm, loomnb_ops, monkeyp
 def test_ir_dispatch_falls_back_by_priority_and_counts(fake_vllm, monkeypatch):
     """With priority ['loomnb', 'vllm_c', 'native'], arguments loomnb does not take go to the next
     provider, and each decision is counted by its reason."""
-    monkeypatch.setattr(V, "_CUDA", "cpu")
+    monkeypatch.setattr(F, "_CUDA", "cpu")
     V.register()
     op = fake_vllm.ops.rms_norm
     op.register_impl("vllm_c", supports_args=lambda x, weight, epsilon, variance_size=None:
@@ -454,7 +478,8 @@ def test_ir_dispatch_falls_back_by_priority_and_counts(fake_vllm, monkeypatch):
     assert V.fallback_counts()["rms_norm"] == {
         "activation dtype float32 (routed: bfloat16, float16)": 1,
         "weight is None (has_weight=False)": 1,
-        "weight dtype differs from x (GemmaRMSNorm passes 1 + w in float32)": 1,
+        "loomnb.rms_norm: argument 'weight' must be of the same dtype as 'x' (bfloat16); got "
+        "dtype float32": 1,                                                       # GemmaRMSNorm
         "variance_size set (var_hidden_size)": 1}
     V.reset_counts()
     assert V.routed_counts() == {} and V.fallback_counts() == {}
@@ -464,24 +489,28 @@ def test_ir_dispatch_falls_back_by_priority_and_counts(fake_vllm, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------
 # The fallback checks themselves (metadata only)
-def _x(*shape, dtype=BF16):
-    return torch.empty(*shape, dtype=dtype)
+def _x(*shape, dtype=BF16, device="cpu"):
+    return torch.empty(*shape, dtype=dtype, device=device)
 
 
 def _big():
     return torch.empty(4, 10, 10, 10, dtype=BF16)[:, :3, :2, :8]
 
 
-RMS_CASES = [  # (x, weight, eps, variance_size, residual) -> reason
+OP_RMS = "loomnb.rms_norm: argument"
+OP_FUSED = "loomnb.fused_add_rms_norm: argument"
+RMS_CASES = [  # (x, weight, eps, variance_size, residual) -> reason: the plug-in's or the op's own
     ("plain", lambda: (_x(5, 576), _x(576), 1e-5, None, None), None),
     ("fused", lambda: (_x(5, 576), _x(576), 1e-5, None, _x(5, 576)), None),
     ("one token", lambda: (_x(1, 576), _x(576), 1e-5, None, None), None),
     ("1-D", lambda: (_x(576), _x(576), 1e-5, None, None), None),
     ("per-head view", lambda: (_x(5, 1152)[:, :576].view(5, 9, 64), _x(64), 1e-6, None, None), None),
     ("three strided dims", lambda: (_big(), _x(8), 1e-6, None, None),
-     "leading dimensions do not merge into two strided dimensions"),
+     f"{OP_RMS} 'x' must be leading dimensions that merge into at most two strided dimensions; "
+     "got shape (2, 3, 2, 8) with strides (1000, 100, 10, 1)"),  # the token dimension read as 2
     ("last dim strided", lambda: (_x(576, 5).t(), _x(576), 1e-5, None, None),
-     "last dimension not contiguous"),
+     f"{OP_RMS} 'x' must be contiguous in its last dimension (stride 1); got strides (1, 5) "
+     "(in elements)"),
     ("fp32", lambda: (_x(5, 576, dtype=torch.float32), _x(576, dtype=torch.float32), 1e-5, None, None),
      "activation dtype float32 (routed: bfloat16, float16)"),
     ("fp16", lambda: (_x(5, 576, dtype=torch.float16), _x(576, dtype=torch.float16), 1e-5, None, None),
@@ -489,22 +518,33 @@ RMS_CASES = [  # (x, weight, eps, variance_size, residual) -> reason
     ("no weight", lambda: (_x(5, 576), None, 1e-5, None, None), "weight is None (has_weight=False)"),
     ("variance_size", lambda: (_x(5, 576), _x(576), 1e-5, 64, None), "variance_size set (var_hidden_size)"),
     ("gemma weight", lambda: (_x(5, 576), _x(576, dtype=torch.float32), 1e-5, None, None),
-     "weight dtype differs from x (GemmaRMSNorm passes 1 + w in float32)"),
-    ("weight length", lambda: (_x(5, 576), _x(512), 1e-5, None, None), "weight is not [hidden_size]"),
-    ("weight strided", lambda: (_x(5, 576), _x(1152)[::2], 1e-5, None, None), "weight not contiguous"),
+     f"{OP_RMS} 'weight' must be of the same dtype as 'x' (bfloat16); got dtype float32"),
+    ("weight length", lambda: (_x(5, 576), _x(512), 1e-5, None, None),
+     f"{OP_RMS} 'weight' must be of shape [576] ([hidden_size]); got shape [512]"),
+    ("weight strided", lambda: (_x(5, 576), _x(1152)[::2], 1e-5, None, None),
+     f"{OP_RMS} 'weight' must be contiguous (stride 1); got stride 2"),
     ("residual dtype", lambda: (_x(5, 576), _x(576), 1e-5, None, _x(5, 576, dtype=torch.float16)),
-     "x_residual dtype, device or shape differs from x"),
+     f"{OP_FUSED} 'residual' must be of the same dtype as 'x' (bfloat16); got dtype float16"),
     ("residual strided", lambda: (_x(5, 576), _x(576), 1e-5, None, _x(576, 5).t()),
-     "last dimension not contiguous"),
-    ("eps nan", lambda: (_x(5, 576), _x(576), float("nan"), None, None), "epsilon is not a finite number >= 0"),
-    ("eps negative", lambda: (_x(5, 576), _x(576), -1e-6, None, None), "epsilon is not a finite number >= 0"),
-    ("eps bool", lambda: (_x(5, 576), _x(576), True, None, None), "epsilon is not a finite number >= 0"),
+     f"{OP_FUSED} 'residual' must be contiguous in its last dimension (stride 1); got strides "
+     "(1, 5) (in elements)"),
+    ("residual broadcast", lambda: (_x(5, 576), _x(576), 1e-5, None, _x(1, 576).expand(5, 576)),
+     f"{OP_FUSED} 'residual' must be an array whose elements do not overlap each other; got "
+     "shape (2, 576) with strides (0, 1) (in elements)"),
+    ("eps nan", lambda: (_x(5, 576), _x(576), float("nan"), None, None),
+     f"{OP_RMS} 'eps' must be finite and >= 0; got nan"),
+    ("eps negative", lambda: (_x(5, 576), _x(576), -1e-6, None, None),
+     f"{OP_RMS} 'eps' must be finite and >= 0; got -1e-06"),
+    ("eps bool", lambda: (_x(5, 576), _x(576), True, None, None),
+     f"{OP_RMS} 'eps' must be a real number; got True"),
+    ("weight off CUDA", lambda: (_x(5, 576), _x(576, device="meta"), 1e-5, None, None),
+     "weight is not a CUDA tensor"),
 ]
 
 
 @pytest.mark.parametrize("make,want", [c[1:] for c in RMS_CASES], ids=[c[0] for c in RMS_CASES])
 def test_rms_norm_fallback_reasons(monkeypatch, make, want):
-    monkeypatch.setattr(V, "_CUDA", "cpu")
+    monkeypatch.setattr(F, "_CUDA", "cpu")
     x, w, eps, vs, res = make()
     assert V.rms_norm_fallback_reason(x, w, eps, vs, res) == want
 
@@ -513,18 +553,40 @@ def test_rms_norm_not_routed_off_cuda():
     assert V.rms_norm_fallback_reason(_x(5, 576), _x(576), 1e-5) == "not a CUDA tensor"
 
 
-def test_routed_layouts_are_accepted_by_loomnbs_row_rule(monkeypatch):
-    """Every layout the check routes, the scaffold's row rule (what loomnb's ops apply) accepts:
-    the check is the rule itself, on metadata."""
-    from loomnb.ops import _contract as C
-    monkeypatch.setattr(V, "_CUDA", "cpu")
-    for name, make, want in RMS_CASES:
-        x, w, eps, vs, res = make()
-        if want is None and w is not None:
-            named = [("x", V._Meta(x.shape, x.stride()))]
-            if res is not None:
-                named.append(("residual", V._Meta(res.shape, res.stride())))
-            C.rows("probe", named)  # raises LoomnbValueError if loomnb would refuse it
+def test_routing_is_the_ops_own_validation(monkeypatch):
+    """One source of truth: what the op's validation raises is the reason, and what it accepts
+    is routed -- a layout the op learns to take needs no change in the plug-in."""
+    from loomnb.checks import LoomnbValueError as Err
+    from loomnb.ops import norm
+    monkeypatch.setattr(F, "_CUDA", "cpu")
+    V._reset()  # forget cached decisions
+    x, w = _x(5, 576), _x(576)
+    assert V.rms_norm_fallback_reason(x, w, 1e-5) is None
+
+    def narrower(op, x_obj, weight_obj, eps):
+        raise Err(f"{op}: argument 'x' must be narrower; got {list(x_obj.shape)}")
+
+    monkeypatch.setattr(norm, "_inputs", narrower)
+    V._reset()
+    try:
+        assert V.rms_norm_fallback_reason(x, w, 1e-5) == ("loomnb.rms_norm: argument 'x' must be "
+                                                         "narrower; got [2, 576]")
+    finally:
+        monkeypatch.undo()
+        V._reset()
+
+
+def test_decisions_are_cached_by_metadata(monkeypatch):
+    """A decision depends on the call's metadata only: a second call with the same metadata (a
+    new num_tokens included) asks the op no more."""
+    monkeypatch.setattr(F, "_CUDA", "cpu")
+    V._reset()
+    for n in (5, 17, 1823):
+        assert V.rms_norm_fallback_reason(_x(n, 576), _x(576), 1e-5) is None
+        assert V.silu_and_mul_fallback_reason(_x(n, 7)).startswith("loomnb.silu_and_mul:")
+    info = F._decide.cache_info()
+    assert (info.misses, info.hits) == (2, 4)
+    V._reset()
 
 
 def test_reasons_on_fake_tensors_with_a_symbolic_token_dimension(monkeypatch):
@@ -533,7 +595,7 @@ def test_reasons_on_fake_tensors_with_a_symbolic_token_dimension(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
                                                        StatelessSymbolicContext)
-    monkeypatch.setattr(V, "_CUDA", "cpu")
+    monkeypatch.setattr(F, "_CUDA", "cpu")
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env)
 
@@ -545,15 +607,28 @@ def test_reasons_on_fake_tensors_with_a_symbolic_token_dimension(monkeypatch):
     qkv, w64 = fake(_x(5, 960)), fake(_x(64), dynamic=False)
     with mode:
         q = qkv[:, :576].view(-1, 9, 64)
+    pos, cache = fake(torch.arange(5)), fake(_x(32, 64), dynamic=False)
+    odd = mode.from_tensor(_x(5, 576), symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.STATIC, DimDynamic.DYNAMIC]))
     assert isinstance(x.shape[0], torch.SymInt)
-    assert V.rms_norm_fallback_reason(x, w, 1e-5) is None
-    assert V.rms_norm_fallback_reason(x, w, 1e-5, x_residual=res) is None
-    assert V.rms_norm_fallback_reason(q, w64, 1e-5) is None
+    V._reset()
+    for active in (False, True):  # the lowering pass may ask with the fake mode active
+        with mode if active else contextlib.nullcontext():
+            assert V.rms_norm_fallback_reason(x, w, 1e-5) is None
+            assert V.rms_norm_fallback_reason(x, w, 1e-5, x_residual=res) is None
+            assert V.rms_norm_fallback_reason(q, w64, 1e-5) is None
+            assert V.rms_norm_fallback_reason(x, fake(_x(64), dynamic=False), 1e-5).startswith(
+                "loomnb.rms_norm: argument 'weight' must be of shape [576]")
+            assert V.rotary_embedding_fallback_reason(pos, q, qkv[:, 576:768], 64, cache) is None
+            assert V.rms_norm_fallback_reason(odd, w, 1e-5) == F.SYMBOLIC
     assert env.guards == []
 
 
+OP_ROPE = "loomnb.apply_rope_with_cos_sin_cache: argument"
+
+
 def test_rotary_embedding_fallback_reasons(monkeypatch):
-    monkeypatch.setattr(V, "_CUDA", "cpu")
+    monkeypatch.setattr(F, "_CUDA", "cpu")
     qkv = _x(5, 15 * 64)
     q, k, pos = qkv[:, :576], qkv[:, 576:768], torch.arange(5)
     cache = _x(32, 64)
@@ -561,24 +636,42 @@ def test_rotary_embedding_fallback_reasons(monkeypatch):
     assert reason(pos, q, k, 64, cache) is None
     assert reason(pos, q.view(5, 9, 64), k.view(5, 3, 64), 64, cache) is None
     assert reason(pos, q, k, 64, _x(32, 32)) is None                          # partial rotary
-    assert reason(pos, q, None, 64, cache).startswith("key is None")
-    assert reason(pos, q, k, 64, cache.float()).startswith("cos_sin_cache is not")
-    assert reason(pos, q, k, 64, _x(32, 66)).startswith("rot_dim")
     assert reason(pos, q, k, 64, _x(32, 62)) is None
-    assert reason(pos, q, k, 60, cache).startswith("rot_dim")
-    assert reason(pos.view(1, 5), q, k, 64, cache) == "positions is not [num_tokens]"
-    assert reason(pos, q, k.float(), 64, cache) == "key dtype or device differs from query"
-    assert reason(pos, q[:, :570], k, 64, cache).startswith("query is not")
-    assert reason(pos, q, qkv[:, 576:832], 64, cache) == "the key's heads do not divide the query's"
+    # what the op takes and the plug-in's own rules once refused: routed now
+    assert reason(pos, q, k, 64, cache.float()) is None                      # a float32 cache
+    assert reason(pos, q, qkv[:, 576:832], 64, cache) is None                # 4 key heads for 9
+    assert reason(pos, q.view(5, 9, 64), qkv[:, 576:].view(5, 6, 64)[:, ::2], 64, cache) is None
+    # the plug-in's own reasons
+    assert reason(pos, q, None, 64, cache).startswith("key is None")
     assert reason(pos, q.float(), k.float(), 64, cache.float()).startswith("activation dtype float32")
+    assert reason(pos.to("meta"), q, k, 64, cache) == "positions is not a CUDA tensor"
+    # the op's own: its messages (the token dimension read as 2)
+    assert reason(pos, q, k, 64, _x(32, 66)) == (f"{OP_ROPE} 'cos_sin_cache' must be rot_dim <= "
+                                                 "head_size = 64; got rot_dim 66")
+    assert reason(pos, q, k, 64, _x(32, 0)) == (f"{OP_ROPE} 'cos_sin_cache' must be an even "
+                                                "rot_dim = cos_sin_cache.shape[1] >= 2; got shape "
+                                                "[32, 0]")
+    assert reason(pos, q, k, 60, cache) == (f"{OP_ROPE} 'query' must be a last dimension that is "
+                                            "a positive multiple of head_size = 60; got shape "
+                                            "[2, 576]")
+    assert reason(pos.view(1, 5), q, k, 64, cache).startswith(f"{OP_ROPE} 'query' must be 3-D")
+    assert reason(pos.int(), q, k, 64, cache) == (f"{OP_ROPE} 'positions' must be of dtype "
+                                                  "int64; got dtype int32")
+    assert reason(pos, q, k.float(), 64, cache) == (f"{OP_ROPE} 'key' must be of the same dtype "
+                                                    "as 'query' (bfloat16); got dtype float32")
+    assert reason(pos, q, k, 64, cache, 1) == f"{OP_ROPE} 'is_neox' must be a bool; got 1"
 
 
 def test_silu_and_mul_fallback_reasons(monkeypatch):
     assert V.silu_and_mul_fallback_reason(_x(3, 8)) == "not a CUDA tensor"
-    monkeypatch.setattr(V, "_CUDA", "cpu")
+    monkeypatch.setattr(F, "_CUDA", "cpu")
     assert V.silu_and_mul_fallback_reason(_x(3, 8)) is None
     assert V.silu_and_mul_fallback_reason(_x(2, 3, 8)) is None
     assert V.silu_and_mul_fallback_reason(_x(3, 8, dtype=torch.float16)) is None
+    assert V.silu_and_mul_fallback_reason(_x(3, 16)[:, :8]) is None  # rows of a wider buffer
+    assert V.silu_and_mul_fallback_reason(_big()) == (
+        "loomnb.silu_and_mul: argument 'x' must be leading dimensions that merge into at most "
+        "two strided dimensions; got shape (2, 3, 2, 4) with strides (1000, 100, 10, 1)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -621,6 +714,35 @@ def test_customop_decision_is_counted_once_per_trace(fake_vllm, loomnb_ops):
     assert V.routed_counts() == {"silu_and_mul": 1}
     op.forward_cuda(x)
     assert V.routed_counts() == {"silu_and_mul": 2}
+    odd = torch.randn(4, 7, dtype=BF16)  # the op's own reason, asked at trace time
+    compiled = torch.compile(lambda x: op.forward_cuda(x), fullgraph=True, backend="eager")
+    for _ in range(2):
+        CALLS.clear()  # the fake's record of vLLM's forward: Dynamo guards on it
+        compiled(odd)
+    assert CALLS == ["vllm silu_and_mul"]
+    assert V.fallback_counts() == {"silu_and_mul": {
+        "loomnb.silu_and_mul: argument 'x' must be of shape [..., 2*d] (an even last dimension); "
+        "got shape [2, 7]": 1}}
+
+
+def test_rope_decision_under_dynamo_with_a_dynamic_token_dimension(fake_vllm, loomnb_ops):
+    """vLLM's compile: the token dimension marked dynamic, RoPE's inputs views of one QKV
+    buffer. The decision is made once at trace time, asks the op, and specialises nothing."""
+    V.register()
+    op = fake_vllm.oot["RotaryEmbedding"](64, torch.randn(32, 64))
+
+    def forward(positions, qkv):
+        return op.forward_cuda(positions, qkv[:, :576], qkv[:, 576:768])
+
+    compiled = torch.compile(forward, fullgraph=True, backend="eager")
+    for n in (5, 9, 17):
+        qkv, pos = torch.randn(n, 15 * 64, dtype=BF16), torch.arange(n)
+        torch._dynamo.mark_dynamic(qkv, 0)
+        torch._dynamo.mark_dynamic(pos, 0)
+        CALLS.clear()  # the stub's record: Dynamo guards on it
+        qo, ko = compiled(pos, qkv)
+        assert qo.shape == (n, 576) and ko.shape == (n, 192)
+    assert V.routed_counts() == {"rotary_embedding": 1} and V.fallback_counts() == {}
 
 
 # ---------------------------------------------------------------------------------------------
