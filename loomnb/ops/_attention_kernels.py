@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 from numba import cuda, float32, int64, uint32
 
+from .._dtypes import storage_dtype
 from .._numba_internals import device
 from ..layouts.dtypes import bits_f32, unpack_e4m3x2
 from . import _launch as L
@@ -66,7 +67,6 @@ SLOTS = 4       # warp states the cross-warp merge takes per round through share
 KINDS = ("bf16", "f16", "f32")
 CACHES = ("bf16", "f16", "f32", "fp8")
 ESIZE = {"bf16": 2, "f16": 2, "f32": 4, "fp8": 1}
-STORAGE = {"bf16": "uint16", "f16": "uint16", "f32": "float32", "fp8": "uint8"}
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 NEG_INF = -math.inf
@@ -125,8 +125,8 @@ class MergeSpec:
 
 def decode_argtypes(spec):
     """The numba signature of ``decode_kernel(spec)``'s parameters (see :func:`decode_params`)."""
-    act, f32 = STORAGE[spec.kind], "float32"
-    cache = "uint32" if spec.path == "vec" else STORAGE[spec.cache]
+    act, f32 = storage_dtype(spec.kind), "float32"
+    cache = "uint32" if spec.path == "vec" else storage_dtype(spec.cache)
     i, f = L.i64(0).numba_type, L.f32(0).numba_type
     return (L.array_type(act, 3), L.array_type(f32, 2), L.array_type(f32, 4),
             L.array_type(f32, 4), L.array_type(act, 3), L.array_type(cache, 1),
@@ -135,14 +135,14 @@ def decode_argtypes(spec):
 
 
 def merge_argtypes(spec):
-    act, f32 = STORAGE[spec.kind], "float32"
+    act, f32 = storage_dtype(spec.kind), "float32"
     i = L.i64(0).numba_type
     return (L.array_type(act, 3), L.array_type(f32, 2), L.array_type(f32, 4),
             L.array_type(f32, 4), i, i, i, i)
 
 
 def states_argtypes(spec):
-    act, f32 = STORAGE[spec.kind], "float32"
+    act, f32 = storage_dtype(spec.kind), "float32"
     i = L.i64(0).numba_type
     return (L.array_type(act, 3), L.array_type(f32, 2), L.array_type(act, 3),
             L.array_type(f32, 2), L.array_type(act, 3), L.array_type(f32, 2), i, i, i, i)

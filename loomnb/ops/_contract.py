@@ -35,6 +35,51 @@ def real(op, name, value, *, low=None, finite=True):
     return v
 
 
+def integer(op, name, value, low=None, high=None, *, expected=None):
+    """A Python/NumPy integer (not a bool) in ``[low, high]`` (each bound optional), as an
+    ``int``. Another type is a ``LoomnbTypeError``; a value out of range a ``LoomnbValueError``
+    that names ``expected`` (default: "an int >= low", "an int in [low, high]")."""
+    import numbers
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        fail_type(op, name, "an int", repr(value))
+    if (low is not None and value < low) or (high is not None and value > high):
+        if expected is None:
+            expected = (f"an int in [{low}, {high}]" if low is not None and high is not None
+                        else f"an int >= {low}" if low is not None else f"an int <= {high}")
+        fail_value(op, name, expected, repr(value))
+    return int(value)
+
+
+def flag(op, name, value):
+    """A bool option (``is_neox``, ``check_indices``...): nothing else, not even 0 or 1."""
+    if not isinstance(value, bool):
+        fail_type(op, name, "a bool", repr(value))
+    return value
+
+
+# ---------------------------------------------------------------- KV-cache arguments
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's kv_cache_dtype strings
+
+
+def kv_scale(op, name, obj, like, num_kv_heads, like_name, *, one_element_any_shape=True):
+    """A KV-cache scale (``k_scale``/``v_scale``; stored = real / scale): float32 on ``like``'s
+    device, one element or ``[num_kv_heads]``, as the ``[num_kv_heads]`` view the kernels index
+    (stride 0 for one element). ``one_element_any_shape=False`` takes a single scale only as a
+    0-D or 1-D array (the attention family's rule; the cache writes take any shape of one
+    element, as :func:`one_element`). None (no scale) stays None."""
+    if obj is None:
+        return None
+    s = ad.wrap(op, name, obj)
+    check_kind(op, name, s, ("f32",))
+    check_same_device(op, name, s, like_name, like)
+    if s.size == 1 and (one_element_any_shape or s.ndim <= 1):
+        return s.view((num_kv_heads,), (0,))
+    if s.ndim != 1 or s.shape[0] != num_kv_heads:
+        fail_value(op, name, f"a float32 array of shape [1] or [num_kv_heads] = [{num_kv_heads}]",
+                   f"shape {list(s.shape)}")
+    return s
+
+
 def output(op, name, obj, *, like, kind, shape, like_name="x"):
     """The output ``name``: checked when the caller passed it, else allocated in ``like``'s
     library and device (and marked so the fast path allocates it again on a replay)."""

@@ -121,20 +121,42 @@ def f32(v):
     return ScalarParam(float(v), types.float32)
 
 
-def f64(v):
-    return ScalarParam(float(v), types.float64)
-
-
 def i64(v):
     return ScalarParam(int(v), types.int64)
 
 
-def i32(v):
-    return ScalarParam(int(v), types.int32)
-
-
 def argtypes(params):
     return tuple(p.numba_type for p in params)
+
+
+# ---------------------------------------------------------------- block sizes and the device
+def whole_warps(n):
+    """``n`` threads rounded up to whole warps, at least one warp: ``max(32, ceil(n / 32) *
+    32)`` (every block size is a multiple of 32)."""
+    return max(32, -(-n // 32) * 32)
+
+
+_sms = {}  # (library, device) -> streaming multiprocessors
+
+
+def sm_count(like, *, simulator, others=None):
+    """The streaming multiprocessors of ``like``'s device (an :class:`~loomnb._adapter.Arr`),
+    looked up once per device: torch's device properties for a torch tensor; for another device
+    array (CuPy, numba) ``others``, or numba's device attribute when ``others`` is None; and
+    ``simulator`` for NumPy arrays (the simulator has no SMs: each family picks its number)."""
+    if like.lib == "numpy":
+        return simulator
+    if like.lib != "torch" and others is not None:
+        return others
+    n = _sms.get((like.lib, like.device))
+    if n is None:
+        if like.lib == "torch":
+            n = ad._torch.cuda.get_device_properties(like.device).multi_processor_count
+        else:
+            with cuda.gpus[like.device]:
+                n = cuda.get_current_device().MULTIPROCESSOR_COUNT
+        _sms[(like.lib, like.device)] = n
+    return n
 
 
 # ---------------------------------------------------------------- test hook: the block size

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from numba import cuda, float32, float64, uint32
 
+from .._dtypes import storage_dtype
 from .._numba_internals import device
 from ..layouts.dtypes import f32_to_e4m3
 from . import _launch as L
@@ -71,7 +72,7 @@ class NormSpec:
 def argtypes(spec):
     """The numba signature of ``norm_kernel(spec)``'s parameters."""
     words = spec.layout == "cached"
-    act = "uint32" if words else {"bf16": "uint16", "f16": "uint16", "f32": "float32"}[spec.kind]
+    act = "uint32" if words else storage_dtype(spec.kind)
     out = ("uint32" if words else "uint8") if spec.quant != "none" else act
     rows = 1 + spec.lead
     return (L.array_type(out, rows), L.array_type(act, rows), L.array_type(act, rows),

@@ -19,9 +19,9 @@
 * ``group_argmax(width)`` / ``block_argmax``: the (value, index) of the largest value, the lowest
   index winning ties and NaN counting as the largest (``torch.argmax``).
 
-The combine functions below come with their identities (``IDENTITY``), used wherever a lane or
-warp holds no value (a sum pads with 0, a max with -inf, a min with +inf -- never 0 for a max of
-negative values). Block sizes must be multiples of 32 (full warps), at most 1024.
+A lane or warp that holds no value takes part with the combine's identity (a sum pads with 0, a
+max with -inf, a min with +inf -- never 0 for a max of negative values). Block sizes must be
+multiples of 32 (full warps), at most 1024.
 
 On the GPU the lanes exchange values with warp shuffles (``shfl.sync.bfly``); numba's CUDA
 simulator has none, so there the same contracts are met through shared memory (the scratch
@@ -63,6 +63,12 @@ def fmin_nan(a, b):
     return a
 
 
+@device
+def imin(a, b):
+    """The smaller of two integers (the lowest index of a group, a count's minimum)."""
+    return b if b < a else a
+
+
 if SIM:
     fmaxf = fmax_nan
 else:
@@ -73,8 +79,6 @@ else:
         """:func:`fmax_nan` in one instruction (``max.f32``); a zero result may differ from it in
         sign only, so it serves folds of magnitudes (an amax)."""
         return libdevice.fmaxf(a, b)
-
-IDENTITY = {fadd: 0.0, fmax_nan: -math.inf, fmin_nan: math.inf, fmaxf: -math.inf}
 
 
 def _offsets(width, stride):
@@ -262,7 +266,6 @@ else:
 
 
 block_sum64 = block_reduce(fadd, float64)   # float64 sum over the block
-block_sum = block_reduce(fadd, float32)     # float32 sum over the block
 block_max = block_reduce(fmax_nan, float32)  # fmaxf over the block (NaN ignored)
 block_min = block_reduce(fmin_nan, float32)  # fminf over the block (NaN ignored)
 

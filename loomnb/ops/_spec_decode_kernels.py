@@ -43,10 +43,12 @@ from dataclasses import dataclass
 
 from numba import cuda, float32, int32, int64, uint32
 
+from .._dtypes import storage_dtype
 from .._numba_internals import device
 from ..layouts.dtypes import bits_f32, f32_bits
 from . import _launch as L
-from ._reduce import REDUCE_SCRATCH, block_argmax, block_scan, fadd, group_reduce, group_scan
+from ._reduce import (REDUCE_SCRATCH, block_argmax, block_scan, fadd, group_reduce, group_scan,
+                      imin)
 from ._vector import CODECS, load_u32x4
 
 CH_MAX = 5           # column steps of a group: (max_spec_len + 1) <= CH_MAX * G
@@ -115,13 +117,8 @@ def key_index(k):
     return int64(0xFFFFFFFF) - (k & 0xFFFFFFFF)
 
 
-@device
-def imin(a, b):
-    return b if b < a else a
-
-
 def argmax_argtypes(spec):
-    logits = "uint32" if spec.vec else {"bf16": "uint16", "f16": "uint16", "f32": "float32"}[spec.kind]
+    logits = "uint32" if spec.vec else storage_dtype(spec.kind)
     i64 = L.i64(0).numba_type
     return (L.array_type(logits, 3), L.array_type("int64", 1), i64, i64, i64)
 

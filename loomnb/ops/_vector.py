@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-import numpy as np
 from numba import float32
 
 from .._numba_internals import SIM, device
@@ -113,5 +112,4 @@ def unit_io(kind):
     return load8, store8, store8_fp8
 
 
-UNIT_ELEMS = {"bf16": 8, "f16": 8, "fp8": 16}  # elements per 16-byte unit
-STORAGE_WORD = np.uint32
+UNIT_ELEMS = {"bf16": 8, "f16": 8, "f32": 4, "fp8": 16}  # elements per 16-byte unit

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from .. import _adapter as ad
-from .._dtypes import ACTIVATION_KINDS
+from .._dtypes import ACTIVATION_KINDS, storage_dtype
 from ..checks import check_eps, check_kind, check_ndim, check_same_device, check_same_kind, check_shape
 from . import _contract as C
 from . import _launch as L
@@ -37,7 +37,7 @@ __all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_static_fp8_quant",
 
 
 
-def launch_config(hidden_size, cached, threads=None, num_rows=None):
+def launch_config(hidden_size, cached, threads=None):
     """(threads per block, 16-byte units a thread holds) for one row of ``hidden_size``.
 
     Cached rows hold about 4 units of 16 bytes a thread (all loads in flight at once), fewer
@@ -47,18 +47,16 @@ def launch_config(hidden_size, cached, threads=None, num_rows=None):
     ``benchmarks/results/probe_norm_latency_20261130-191225.json``). At least 32 and at most
     1024 threads; vpt 0 means the row is too long to cache (more than 8 units x 1024 threads)
     and goes to the scalar layout. Scalar rows take min(hidden_size, 1024) threads, rounded up
-    to a warp, like vLLM. ``num_rows`` is accepted for callers that size by batch; it does not
-    change the choice.
+    to a warp, like vLLM. The batch size does not change the choice.
     """
-    ceil32 = lambda n: max(32, -(-n // 32) * 32)  # noqa: E731
     if not cached:
-        return (threads or min(1024, ceil32(hidden_size))), 0
+        return (threads or min(1024, L.whole_warps(hidden_size))), 0
     nv = hidden_size // 8
     if threads:
         vpt = -(-nv // threads)
         return threads, next((v for v in CACHED_VPT if v >= vpt), 0)
     for vpt in ((4, 8) if nv >= 256 else (2, 4, 8)):
-        t = ceil32(-(-nv // vpt))
+        t = L.whole_warps(-(-nv // vpt))
         if t <= 1024:
             return t, vpt
     return 1024, 0
@@ -78,7 +76,7 @@ def _launch_norm(op, spec, out, x, residual, weight, scales, scale, eps, stream,
     fp8_unit = 8  # an FP8 output row moves 8 bytes per 16-byte activation unit
     cached = (x.kind != "f32" and C.vectors_ok(v["x"], v.get("residual"), weight)
               and C.vectors_ok(v["out"], unit=16 if spec.quant == "none" else fp8_unit))
-    threads, vpt = launch_config(H, cached, L.forced_threads(), num_rows)
+    threads, vpt = launch_config(H, cached, L.forced_threads())
     if cached and vpt == 0:
         cached, threads = False, launch_config(H, False, L.forced_threads())[0]
     spec = dataclasses.replace(spec, layout="cached" if cached else "scalar",
@@ -88,7 +86,7 @@ def _launch_norm(op, spec, out, x, residual, weight, scales, scale, eps, stream,
     def rows_param(name):
         a = v.get(name)
         if a is None:
-            return L.absent("uint32" if cached else _storage(act), 1 + len(lead))
+            return L.absent("uint32" if cached else storage_dtype(act), 1 + len(lead))
         return L.array(a, words=cached)
 
     params = [rows_param("out"), rows_param("x"), rows_param("residual"),
@@ -102,10 +100,6 @@ def _launch_norm(op, spec, out, x, residual, weight, scales, scale, eps, stream,
     warm = (lambda: [(norm_kernel, other, argtypes(other))]) if x.ndim > 2 else None
     L.launch(norm_kernel, spec, num_rows, threads, params, like=x, stream=stream, key=key,
              warm=warm)
-
-
-def _storage(kind):
-    return {"bf16": "uint16", "f16": "uint16", "f32": "float32"}[kind]
 
 
 def _inputs(op, x_obj, weight_obj, eps):
@@ -122,6 +116,17 @@ def _inputs(op, x_obj, weight_obj, eps):
         C.fail_value(op, "weight", "contiguous (stride 1)", f"stride {w.strides[0]}")
     check_same_device(op, "weight", w, "x", x)
     return x, w, check_eps(op, eps)
+
+
+def _static_inputs(op, x_obj, weight_obj, eps, scale_obj, check_scale, rounding):
+    """The checks of the static FP8 forms: :func:`_inputs`, ``rounding``, then the one-element
+    ``scale`` (with ``check_scale``, asserted finite and > 0 on the device)."""
+    x, w, eps = _inputs(op, x_obj, weight_obj, eps)
+    C.choice(op, "rounding", rounding, ROUNDINGS)
+    s = C.one_element(op, "scale", scale_obj, x)
+    if check_scale:
+        C.assert_positive_finite(op, "scale", s)
+    return x, w, eps, s
 
 
 def _residual(op, x, residual_obj):
@@ -280,11 +285,7 @@ def rms_norm_static_fp8_quant(x, weight, scale, eps, *, out=None, check_scale=Fa
     if k is not None and (hit := L.replay(k)) is not None:
         return out if out is not None else hit[0]
     op = "loomnb.rms_norm_static_fp8_quant"
-    xa, wa, eps = _inputs(op, x, weight, eps)
-    C.choice(op, "rounding", rounding, ROUNDINGS)
-    sa = C.one_element(op, "scale", scale, xa)
-    if check_scale:
-        C.assert_positive_finite(op, "scale", sa)
+    xa, wa, eps, sa = _static_inputs(op, x, weight, eps, scale, check_scale, rounding)
     oa = C.output(op, "out", out, like=xa, kind=("fp8", "u8") if out is not None else "fp8",
                   shape=xa.shape)
     C.no_overlap(op, {"out": oa}, {"x": xa, "weight": wa, "scale": sa})
@@ -318,11 +319,7 @@ def fused_add_rms_norm_static_fp8_quant(x, residual, weight, scale, eps, *, out=
     if k is not None and (hit := L.replay(k)) is not None:
         return (out if out is not None else hit[0]), residual
     op = "loomnb.fused_add_rms_norm_static_fp8_quant"
-    xa, wa, eps = _inputs(op, x, weight, eps)
-    C.choice(op, "rounding", rounding, ROUNDINGS)
-    sa = C.one_element(op, "scale", scale, xa)
-    if check_scale:
-        C.assert_positive_finite(op, "scale", sa)
+    xa, wa, eps, sa = _static_inputs(op, x, weight, eps, scale, check_scale, rounding)
     ra = _residual(op, xa, residual)
     C.writable(op, {"residual": ra})
     oa = C.output(op, "out", out, like=xa, kind=("fp8", "u8") if out is not None else "fp8",

@@ -27,8 +27,6 @@ argmax, then verification and compaction in one block); both replay on the eager
 
 from __future__ import annotations
 
-import numbers
-
 from .. import _adapter as ad
 from ..checks import check_kind, check_ndim, check_same_device, check_shape
 from . import _contract as C
@@ -36,6 +34,7 @@ from . import _launch as L
 from ._spec_decode_kernels import (ID_KINDS, ILP, ArgmaxSpec, VerifySpec, argmax_argtypes,
                                    argmax_kernel, group_for, verify_kernel)
 from ._torch_ops import torch_op
+from ._vector import UNIT_ELEMS
 
 __all__ = ["rejection_greedy_sample", "greedy_verify"]
 
@@ -47,18 +46,13 @@ VERIFY_THREADS = 128         # rejection_greedy_sample: blocks of 4 warps, one g
 PACK_THREADS = 256           # greedy_verify's one block: more requests take more rounds (its
                              # register count does not allow 1024 threads: measured on the H200,
                              # a 1024-thread launch failed with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)
-UNIT_ELEMS = {"f32": 4, "bf16": 8, "f16": 8}  # elements of one 16-byte load
-
-
-def _ceil32(n):
-    return max(32, -(-n // 32) * 32)
 
 
 def argmax_config(num_rows, units, threads=None):
     """(threads, S splits per row, chunk units per split) for the argmax over ``num_rows`` rows
     of ``units`` loads each: a block takes at least ``threads * ILP`` units, and rows are split
     until about TARGET_BLOCKS blocks run (no split once there are that many rows)."""
-    t = threads or min(ARGMAX_THREADS, _ceil32(-(-units // ILP)))
+    t = threads or min(ARGMAX_THREADS, L.whole_warps(-(-units // ILP)))
     splits = max(1, min(-(-units // (t * ILP)), -(-TARGET_BLOCKS // max(num_rows, 1))))
     chunk = -(-units // splits)
     return t, -(-units // chunk), chunk
@@ -70,23 +64,13 @@ def verify_config(num_reqs, max_spec_len, pack, threads=None):
     more rounds)."""
     g = group_for(max_spec_len)
     if pack:
-        t = min(threads or _ceil32(num_reqs * g), PACK_THREADS)
+        t = min(threads or L.whole_warps(num_reqs * g), PACK_THREADS)
         return g, t, 1
-    t = threads or min(VERIFY_THREADS, _ceil32(num_reqs * g))
+    t = threads or min(VERIFY_THREADS, L.whole_warps(num_reqs * g))
     return g, t, -(-num_reqs * g // t)
 
 
 # ---------------------------------------------------------------- checks
-def _int(op, name, value, low, high=None):
-    """A Python/NumPy integer (not a bool) in ``[low, high]``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        C.fail_type(op, name, "an int", repr(value))
-    if value < low or (high is not None and value > high):
-        C.fail_value(op, name, f"an int in [{low}, {high}]" if high is not None else f"an int >= {low}",
-                     repr(value))
-    return int(value)
-
-
 def _ids(op, name, obj, kinds, ndim, like=None, like_name="draft_token_ids"):
     a = ad.wrap(op, name, obj)
     check_kind(op, name, a, kinds)
@@ -108,7 +92,7 @@ def _inputs(op, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_
         C.fail_value(op, "bonus_token_ids", f"of shape [{num_reqs}, 1] ([num_reqs, 1]) or [{num_reqs}]",
                      f"shape {list(ba.shape)}")
     ba = ba.view((num_reqs,), (ba.strides[0],))
-    spec_len = _int(op, "max_spec_len", max_spec_len, 0, MAX_SPEC_LEN)
+    spec_len = C.integer(op, "max_spec_len", max_spec_len, 0, MAX_SPEC_LEN)
     if num_drafts > num_reqs * spec_len:
         C.fail_value(op, "max_spec_len", f"at least the batch's largest draft count (num_draft_tokens "
                      f"{num_drafts} > num_reqs {num_reqs} x max_spec_len)", repr(spec_len))
@@ -289,7 +273,7 @@ def greedy_verify(draft_token_ids, cu_num_draft_tokens, target_logits, bonus_tok
     V = la.shape[-1]
     if V >= 2 ** 31:
         C.fail_value(op, "target_logits", "fewer than 2**31 columns", f"V = {V}")
-    vocab = V if vocab_size is None else _int(op, "vocab_size", vocab_size, 0)
+    vocab = V if vocab_size is None else C.integer(op, "vocab_size", vocab_size, 0)
     lead, (lv,) = C.rows(op, [("target_logits", la)])
     out = lambda name, obj, shape: C.output(op, name, obj, like=da, kind="i32", shape=shape,  # noqa: E731
                                             like_name="draft_token_ids")
