@@ -57,6 +57,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int64
 
+from .._dtypes import storage_dtype
 from .._numba_internals import SIM, device
 from ..layouts.dtypes import bits_f32, f32_to_e4m3, f32_to_e5m2, pack_e4m3x2, pack_e5m2x2
 from . import _launch as L
@@ -141,16 +142,12 @@ class RopeCacheSpec:
         return 16 // self.cache_itemsize
 
 
-def _storage(kind):
-    return {"bf16": "uint16", "f16": "uint16", "f32": "float32"}[kind]
-
-
 def argtypes(spec):
     """The numba signature of ``rope_cache_kernel(spec)``'s parameters."""
     vec = spec.layout == "vector"
-    act = "uint32" if vec else _storage(spec.kind)
-    cs = "uint32" if vec else _storage(spec.cs_kind)
-    cstore = "uint8" if spec.kv != "auto" else _storage(spec.kind)
+    act = "uint32" if vec else storage_dtype(spec.kind)
+    cs = "uint32" if vec else storage_dtype(spec.cs_kind)
+    cstore = "uint8" if spec.kv != "auto" else storage_dtype(spec.kind)
     kc = "uint32" if vec else cstore
     vc = "uint32" if vec and spec.cache != "legacy" else cstore
     kdim = 5 if spec.cache == "legacy" else 4
@@ -213,6 +210,16 @@ def _fp8_packer(kv):
 
 
 @device
+def rotation_item(i, nq, per_head):
+    """``(is_key, head, j)`` of rotation item ``i``: the ``nq`` query items come first, then the
+    key's, ``per_head`` items a head (``j``: the pair, or the 8-pair item, within the head)."""
+    is_k = i >= nq
+    ii = i - nq if is_k else i
+    h = ii // per_head
+    return is_k, h, ii - h * per_head
+
+
+@device
 def outside_span(ii, n, step, off, gap):
     """``(head, channel)`` of item ``ii`` of ``n`` items per head that skip the rotated span:
     item ``u`` of a head is channel ``step * u``, moved past ``[off, off + gap)``."""
@@ -221,6 +228,44 @@ def outside_span(ii, n, step, off, gap):
     if c >= off:
         c += gap
     return h, c
+
+
+def _token_work(spec):
+    """``work(t, positions, q, k, v, slots, kc, n_cache, rot, span, head) -> (Hq, write, nq,
+    nrot, kcopy, ncp, nkc, total, blk, boff, pos)``: token ``t``'s list of items (the module
+    docstring) -- where each kind of item starts, how many there are, and the cache slot
+    (``write``: slot >= 0, as block ``blk`` and offset ``boff``) and position it needs -- counted
+    in the layout's step: ``rot`` rotation items, ``span`` rotated steps and ``head`` steps per
+    head (scalar: ``e``, ``2e`` and ``D`` channels; vector: ``e/8``, ``e/4`` and ``D/8`` units)."""
+    ROPE, OUT, CACHE = spec.rope, spec.out, spec.cache != "none"
+
+    @device
+    def work(t, positions, q, k, v, slots, kc, n_cache, rot, span, head):
+        Hq = int64(q.shape[1])
+        Hk = int64(k.shape[1]) if ROPE else int64(v.shape[1])
+        slot = int64(-1)
+        if CACHE and t < n_cache:
+            slot = slots[t]
+        write = CACHE and slot >= 0
+        nq = Hq * rot if ROPE else int64(0)
+        nrot = (Hq + Hk) * rot if ROPE else int64(0)
+        kcopy = head - span if ROPE else head
+        ncp = (Hq + Hk) * kcopy if OUT else int64(0)
+        nkc = Hk * kcopy if write else int64(0)
+        nvc = Hk * head if write else int64(0)
+        total = nrot + ncp + nkc + nvc
+        blk = int64(0)
+        boff = int64(0)
+        if write:
+            bs = int64(kc.shape[1])
+            blk = slot // bs
+            boff = slot - blk * bs
+        pos = int64(0)
+        if ROPE:
+            pos = positions[t]
+        return Hq, write, nq, nrot, kcopy, ncp, nkc, total, blk, boff, pos
+
+    return work
 
 
 def rope_cache_kernel(spec):
@@ -244,8 +289,8 @@ def _scalar(spec):
     dec, enc_act = codec.decode, codec.encode
     dec_cs = CODECS[spec.cs_kind].decode
     rot = _rotation(spec.form, spec.inverse)
-    ROPE, NEOX, OUT = spec.rope, spec.neox, spec.out
-    CACHE, LEGACY = spec.cache != "none", spec.cache == "legacy"
+    work = _token_work(spec)
+    ROPE, NEOX, LEGACY = spec.rope, spec.neox, spec.cache == "legacy"
     FP8 = spec.kv != "auto"
     fp8 = _fp8_encoder(spec.kv) if FP8 else None
     XS = spec.x.bit_length() - 1  # log2 of the legacy chunk
@@ -269,34 +314,11 @@ def _scalar(spec):
         t = int64(cuda.blockIdx.x)
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
-        Hq = int64(q.shape[1])
-        Hk = int64(k.shape[1]) if ROPE else int64(v.shape[1])
-        slot = int64(-1)
-        if CACHE and t < n_cache:
-            slot = slots[t]
-        write = CACHE and slot >= 0
-        nq = Hq * e if ROPE else int64(0)
-        nrot = (Hq + Hk) * e if ROPE else int64(0)
-        kcopy = D - 2 * e if ROPE else D
-        ncp = (Hq + Hk) * kcopy if OUT else int64(0)
-        nkc = Hk * kcopy if write else int64(0)
-        nvc = Hk * D if write else int64(0)
-        total = nrot + ncp + nkc + nvc
-        blk = int64(0)
-        boff = int64(0)
-        if write:
-            bs = int64(kc.shape[1])
-            blk = slot // bs
-            boff = slot - blk * bs
-        pos = int64(0)
-        if ROPE:
-            pos = positions[t]
+        Hq, write, nq, nrot, kcopy, ncp, nkc, total, blk, boff, pos = work(
+            t, positions, q, k, v, slots, kc, n_cache, e, 2 * e, D)  # one pair an item
         for i in range(tid, total, nt):
             if i < nrot:
-                is_k = i >= nq
-                ii = i - nq if is_k else i
-                h = ii // e
-                p = ii - h * e
+                is_k, h, p = rotation_item(i, nq, e)
                 row = k[t, h] if is_k else q[t, h]
                 if NEOX:
                     cx = off + p
@@ -349,8 +371,8 @@ def _vector(spec):
     CS16 = spec.cs_kind in ("bf16", "f16")
     cs_unpack = CODECS[spec.cs_kind].unpack if CS16 else None
     rot = _rotation(spec.form, spec.inverse)
-    ROPE, NEOX, OUT = spec.rope, spec.neox, spec.out
-    CACHE, LEGACY = spec.cache != "none", spec.cache == "legacy"
+    work = _token_work(spec)
+    ROPE, NEOX, LEGACY = spec.rope, spec.neox, spec.cache == "legacy"
     FP8 = spec.kv != "auto"
     fp8 = _fp8_encoder(spec.kv) if FP8 else None
     fp8_words = _fp8_packer(spec.kv) if FP8 else None
@@ -414,40 +436,17 @@ def _vector(spec):
         t = int64(cuda.blockIdx.x)
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
-        Hq = int64(q.shape[1])
-        Hk = int64(k.shape[1]) if ROPE else int64(v.shape[1])
         U = D >> 3          # units per head
         P = e >> 3          # rotation items per head (8 pairs each)
         R = e >> 2          # rotated units per head (2 per item)
-        slot = int64(-1)
-        if CACHE and t < n_cache:
-            slot = slots[t]
-        write = CACHE and slot >= 0
-        nq = Hq * P if ROPE else int64(0)
-        nrot = (Hq + Hk) * P if ROPE else int64(0)
-        kcopy = U - R if ROPE else U
-        ncp = (Hq + Hk) * kcopy if OUT else int64(0)
-        nkc = Hk * kcopy if write else int64(0)
-        nvc = Hk * U if write else int64(0)
-        total = nrot + ncp + nkc + nvc
-        blk = int64(0)
-        boff = int64(0)
-        if write:
-            bs = int64(kc.shape[1])
-            blk = slot // bs
-            boff = slot - blk * bs
-        pos = int64(0)
-        if ROPE:
-            pos = positions[t]
+        Hq, write, nq, nrot, kcopy, ncp, nkc, total, blk, boff, pos = work(
+            t, positions, q, k, v, slots, kc, n_cache, P, R, U)
         xv = cuda.local.array(16, float32)  # x values, then y values (8 pairs)
         cv = cuda.local.array(8, float32)
         sv = cuda.local.array(8, float32)
         for i in range(tid, total, nt):
             if i < nrot:
-                is_k = i >= nq
-                ii = i - nq if is_k else i
-                h = ii // P
-                j = ii - h * P
+                is_k, h, j = rotation_item(i, nq, P)
                 row = k[t, h] if is_k else q[t, h]
                 orow = ko[t, h] if is_k else qo[t, h]
                 csrow = cs[pos]

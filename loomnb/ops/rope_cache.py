@@ -23,263 +23,21 @@ a fused QKV buffer need no copy); caches are the strided views of :mod:`loomnb.l
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 from .. import _adapter as ad
-from .._dtypes import ACTIVATION_KINDS
-from ..checks import check_kind, check_same_device, check_same_kind, fail_type, fail_value
+from .._dtypes import storage_dtype
+from ..checks import check_same_device, check_same_kind, fail_type, fail_value
 from . import _contract as C
 from . import _launch as L
-from ._rope_cache_kernels import CS_KINDS, FMAS, FORMS, RopeCacheSpec, rope_cache_kernel
+from ._rope_cache_args import check_indices as _check_indices
+from ._rope_cache_args import heads, kv_inputs, rope_inputs
+from ._rope_cache_kernels import FORMS, RopeCacheSpec, rope_cache_kernel
 from ._torch_ops import torch_op
 
 __all__ = ["rotary_embedding", "apply_rope_with_cos_sin_cache", "reshape_and_cache_flash",
            "reshape_and_cache", "rotary_embedding_and_cache"]
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-_KV = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
-_CACHE_KINDS = {"fp8_e4m3": ("fp8", "u8"), "fp8_e5m2": ("fp8_e5m2", "u8")}
 MAX_THREADS = 1024
-
-
-# ------------------------------------------------------------------------------ validation
-def _int(op, name, v, low):
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        fail_type(op, name, "an int", repr(v))
-    if v < low:
-        fail_value(op, name, f"an int >= {low}", repr(v))
-    return int(v)
-
-
-def _bool(op, name, v):
-    if not isinstance(v, bool):
-        fail_type(op, name, "a bool", repr(v))
-    return v
-
-
-def _tokens(op, name, a, lead, what):
-    """``a`` ``[*lead, ...]`` with its leading dims (``lead``, the positions' shape) merged into
-    one token dimension: returns (token stride, remaining shape, remaining strides)."""
-    n = len(lead)
-    if tuple(a.shape[:n]) != tuple(lead):
-        fail_value(op, name, f"of shape [{', '.join(map(str, lead))}, ...] ({what})",
-                   f"shape {list(a.shape)}")
-    if n == 2 and lead[0] > 1 and lead[1] > 1 and a.strides[0] != lead[1] * a.strides[1]:
-        fail_value(op, name, "batch and sequence dimensions that merge into one token dimension",
-                   f"shape {list(a.shape)} with strides {a.strides} (in elements)")
-    ts = a.strides[n - 1] if lead[n - 1] > 1 or n == 1 else a.strides[0]
-    return ts, a.shape[n:], a.strides[n:]
-
-
-def _heads(op, name, a, lead, head_size, what):
-    """A ``[*lead, H * D]`` or ``[*lead, H, D]`` array as a ``[T, H, D]`` view."""
-    if a.ndim not in (len(lead) + 1, len(lead) + 2):
-        fail_value(op, name, f"{len(lead) + 1}-D [..., num_heads * head_size] or "
-                   f"{len(lead) + 2}-D [..., num_heads, head_size] ({what})",
-                   f"a {a.ndim}-D array of shape {list(a.shape)}")
-    ts, rest, st = _tokens(op, name, a, lead, what)
-    if rest[-1] > 1 and st[-1] != 1 and 0 not in a.shape:
-        fail_value(op, name, "contiguous in its last dimension (stride 1)",
-                   f"strides {a.strides} (in elements)")
-    if len(rest) == 1:
-        if rest[0] % head_size or rest[0] == 0:
-            fail_value(op, name, f"a last dimension that is a positive multiple of head_size = "
-                       f"{head_size}", f"shape {list(a.shape)}")
-        H, hs = rest[0] // head_size, head_size
-    else:
-        if rest[1] != head_size:
-            fail_value(op, name, f"a last dimension of head_size = {head_size}",
-                       f"shape {list(a.shape)}")
-        H, hs = rest[0], st[0]
-    T = 1
-    for d in lead:
-        T *= d
-    return a.view((T, H, head_size), (ts, hs, 1))
-
-
-def _positions(op, positions):
-    p = ad.wrap(op, "positions", positions)
-    check_kind(op, "positions", p, ("i64",))
-    if p.ndim not in (1, 2):
-        fail_value(op, "positions", "1-D [num_tokens] or 2-D [batch_size, seq_len]",
-                   f"a {p.ndim}-D array of shape {list(p.shape)}")
-    T = p.size
-    if p.ndim == 2 and p.shape[0] > 1 and p.shape[1] > 1 and p.strides[0] != p.shape[1] * p.strides[1]:
-        fail_value(op, "positions", "batch and sequence dimensions that merge into one",
-                   f"strides {p.strides} (in elements)")
-    st = p.strides[-1] if p.shape[-1] > 1 or p.ndim == 1 else p.strides[0]
-    return p, p.view((T,), (st,))
-
-
-def _rope_inputs(op, positions, query, key, head_size, cos_sin_cache, is_neox, off, inverse,
-                 fma, cs_kinds=None):
-    """Validate the RoPE arguments; returns the [T, H, D] views and the numbers."""
-    p, pv = _positions(op, positions)
-    head_size = _int(op, "head_size", head_size, 1)
-    off = _int(op, "rope_dim_offset", off, 0)
-    _bool(op, "is_neox", is_neox)
-    _bool(op, "inverse", inverse)
-    C.choice(op, "fma", fma, FMAS)
-    q = ad.wrap(op, "query", query)
-    check_kind(op, "query", q, ACTIVATION_KINDS)
-    check_same_device(op, "query", q, "positions", p)
-    qv = _heads(op, "query", q, p.shape, head_size, "positions.shape + heads")
-    kv = None
-    if key is not None:
-        k = ad.wrap(op, "key", key)
-        check_same_kind(op, "key", k, "query", q)
-        check_same_device(op, "key", k, "query", q)
-        kv = _heads(op, "key", k, p.shape, head_size, "positions.shape + heads")
-        # any num_kv_heads: the kernel rotates query heads and key heads as separate items and
-        # never uses their ratio (vLLM's rotary_embedding checks num_heads % num_kv_heads == 0)
-    cs = ad.wrap(op, "cos_sin_cache", cos_sin_cache)
-    allowed = cs_kinds or CS_KINDS[q.kind]
-    check_kind(op, "cos_sin_cache", cs, allowed)
-    check_same_device(op, "cos_sin_cache", cs, "query", q)
-    if cs.ndim != 2:
-        fail_value(op, "cos_sin_cache", "2-D [max_position, rot_dim]",
-                   f"a {cs.ndim}-D array of shape {list(cs.shape)}")
-    rot_dim = cs.shape[1]
-    if rot_dim < 2 or rot_dim % 2:
-        fail_value(op, "cos_sin_cache", "an even rot_dim = cos_sin_cache.shape[1] >= 2",
-                   f"shape {list(cs.shape)}")
-    if rot_dim > 1 and cs.strides[1] != 1:
-        fail_value(op, "cos_sin_cache", "contiguous in its last dimension (stride 1)",
-                   f"strides {cs.strides} (in elements)")
-    if rot_dim + off > head_size:
-        if off:
-            fail_value(op, "cos_sin_cache", f"rot_dim + rope_dim_offset <= head_size = "
-                       f"{head_size}", f"rot_dim {rot_dim} + rope_dim_offset {off}")
-        fail_value(op, "cos_sin_cache", f"rot_dim <= head_size = {head_size}", f"rot_dim {rot_dim}")
-    return p, pv, q, qv, kv, cs, head_size, off, rot_dim
-
-
-def _scale(op, name, obj, like, num_kv_heads):
-    """A float32 scale of shape ``[1]``/``[]`` or ``[num_kv_heads]`` as an ``[Hk]`` view."""
-    s = ad.wrap(op, name, obj)
-    check_kind(op, name, s, ("f32",))
-    check_same_device(op, name, s, "key", like)
-    if s.size == 1:
-        return s.view((num_kv_heads,), (0,))
-    if s.ndim != 1 or s.shape[0] != num_kv_heads:
-        fail_value(op, name, f"a float32 array of shape [1] or [num_kv_heads] = [{num_kv_heads}]",
-                   f"shape {list(s.shape)}")
-    return s
-
-
-def _kv_inputs(op, key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale,
-               v_scale, *, legacy, like=None, kview=None, vview=None, value_shape=None):
-    """Validate the cache-write arguments; returns (k [T,Hk,D], v, kc, vc views, slots, ks, vs,
-    kv). ``kview``/``vview``: [T, Hk, D] views already made (the fused op; ``value_shape``: the
-    value's shape as passed, for messages). Every dimension the kernel relies on agrees:
-    key/value tokens, heads and head_size, slot_mapping no longer than the tokens, the caches'
-    heads and head_size, the caches with each other, the scales with num_kv_heads."""
-    C.choice(op, "kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
-    kvd = _KV[kv_cache_dtype]
-    if kview is None:
-        k = ad.wrap(op, "key", key)
-        check_kind(op, "key", k, ACTIVATION_KINDS)
-        if k.ndim != 3:
-            fail_value(op, "key", "3-D [num_tokens, num_kv_heads, head_size]",
-                       f"a {k.ndim}-D array of shape {list(k.shape)}")
-        C.rows(op, [("key", k)])  # last dimension contiguous
-        kview = k
-        like = k
-    if vview is None:
-        v = ad.wrap(op, "value", value)
-        value_shape = list(v.shape)
-        check_same_kind(op, "value", v, "key", like)
-        check_same_device(op, "value", v, "key", like)
-        if v.ndim == 3:
-            C.rows(op, [("value", v)])
-            vview = v
-        elif kview is not None and v.ndim == 2 and v.shape[-1] == kview.shape[1] * kview.shape[2]:
-            if v.shape[-1] > 1 and v.strides[-1] != 1 and 0 not in v.shape:
-                fail_value(op, "value", "contiguous in its last dimension (stride 1)",
-                           f"strides {v.strides} (in elements)")
-            vview = v.view((v.shape[0], kview.shape[1], kview.shape[2]),
-                           (v.strides[0], kview.shape[2], 1))
-        else:
-            fail_value(op, "value", "3-D [num_tokens, num_kv_heads, head_size]",
-                       f"a {v.ndim}-D array of shape {list(v.shape)}")
-    T, Hk, D = kview.shape
-    if tuple(vview.shape) != (T, Hk, D):
-        fail_value(op, "value", f"of shape {[T, Hk, D]} like 'key' ([num_tokens, num_kv_heads, "
-                   "head_size]; num_kv_heads * head_size when 2-D)",
-                   f"shape {list(value_shape or vview.shape)}")
-    s = ad.wrap(op, "slot_mapping", slot_mapping)
-    check_kind(op, "slot_mapping", s, ("i64",))
-    check_same_device(op, "slot_mapping", s, "key", like)
-    if s.ndim != 1:
-        fail_value(op, "slot_mapping", "1-D [num_tokens]", f"a {s.ndim}-D array of shape {list(s.shape)}")
-    if s.shape[0] > T:
-        fail_value(op, "slot_mapping", f"of length at most {T} (the num_tokens of 'key' and "
-                   "'value'; a slot past them would read past their rows)", f"length {s.shape[0]}")
-    cache_kinds = (like.kind,) if kvd == "auto" else _CACHE_KINDS[kvd]
-    kc = ad.wrap(op, "key_cache", key_cache)
-    vc = ad.wrap(op, "value_cache", value_cache)
-    for name, c in (("key_cache", kc), ("value_cache", vc)):
-        check_kind(op, name, c, cache_kinds)
-        check_same_device(op, name, c, "key", like)
-    csz = kc.itemsize
-    if legacy:
-        x = 16 // csz
-        if kc.ndim != 5 or kc.shape[1] != Hk or kc.shape[2] * x != D or kc.shape[4] != x:
-            fail_value(op, "key_cache", f"5-D [num_blocks, {Hk}, {D} // x, block_size, x] with "
-                       f"x = 16 // {csz} = {x}", f"shape {list(kc.shape)}")
-        nb, bs = kc.shape[0], kc.shape[3]
-        if tuple(vc.shape) != (nb, Hk, D, bs):
-            fail_value(op, "value_cache", f"of shape [{nb}, {Hk}, {D}, {bs}] ([num_blocks, "
-                       "num_kv_heads, head_size, block_size])", f"shape {list(vc.shape)}")
-        if x > 1 and kc.strides[4] != 1:
-            fail_value(op, "key_cache", "contiguous in its last dimension (stride 1)",
-                       f"strides {kc.strides} (in elements)")
-        s0, s1, s2, s3, s4 = kc.strides
-        kcv = kc.view((nb, bs, Hk, D // x, x), (s0, s3, s1, s2, s4))
-        t0, t1, t2, t3 = vc.strides
-        vcv = vc.view((nb, bs, Hk, D), (t0, t3, t1, t2))
-    else:
-        if kc.ndim != 4 or tuple(kc.shape[2:]) != (Hk, D):
-            fail_value(op, "key_cache", f"4-D [num_blocks, block_size, {Hk}, {D}]",
-                       f"shape {list(kc.shape)}")
-        if tuple(vc.shape) != tuple(kc.shape):
-            fail_value(op, "value_cache", f"of shape {list(kc.shape)} like 'key_cache'",
-                       f"shape {list(vc.shape)}")
-        for name, c in (("key_cache", kc), ("value_cache", vc)):
-            if D > 1 and c.strides[3] != 1:
-                fail_value(op, name, "contiguous in its last dimension (stride 1)",
-                           f"strides {c.strides} (in elements)")
-        kcv, vcv = kc, vc
-    if kvd == "auto":
-        ks = None if k_scale is None else _scale(op, "k_scale", k_scale, like, Hk)
-        vs = None if v_scale is None else _scale(op, "v_scale", v_scale, like, Hk)
-    else:
-        for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if sc is None:
-                fail_value(op, name, f"a float32 device array for kv_cache_dtype {kv_cache_dtype!r}",
-                           "None")
-        ks = _scale(op, "k_scale", k_scale, like, Hk)
-        vs = _scale(op, "v_scale", v_scale, like, Hk)
-    C.writable(op, {"key_cache": kcv, "value_cache": vcv})
-    return kview, vview, kc, vc, kcv, vcv, s, ks, vs, kvd
-
-
-def _check_indices(op, check_indices, positions=None, cos_sin_cache=None, slots=None,
-                   key_cache=None, stream=None):
-    """The opt-in ``check_indices=True``: ``positions`` in ``[0, max_position)`` and each
-    ``slot_mapping`` entry -1 (``PAD_SLOT_ID``) or in ``[0, num_blocks * block_size)``
-    (``key_cache``: the ``[num_blocks, block_size, ...]`` view), without a host sync
-    (:func:`loomnb.ops._contract.assert_in_range`). Off: nothing is read."""
-    if not _bool(op, "check_indices", check_indices):
-        return
-    if positions is not None:
-        P = cos_sin_cache.shape[0]
-        C.assert_in_range(op, "positions", positions, 0, P - 1,
-                          meaning=f"(rows of cos_sin_cache: max_position = {P})", stream=stream)
-    if slots is not None:
-        n = key_cache.shape[0] * key_cache.shape[1]
-        C.assert_in_range(op, "slot_mapping", slots, 0, n - 1, allow=-1,
-                          meaning=f"(slots of num_blocks * block_size = {n})", stream=stream)
 
 
 # ------------------------------------------------------------------------------ launch
@@ -299,14 +57,21 @@ def _vector_ok(spec, q, k, v, cs, kcv, vcv, off, rot_dim, D):
     return C.vectors_ok(kcv, vcv, unit=unit)
 
 
-def _launch(op, spec, pv, qv, kv, vv, cs, slots, kcv, vcv, ks, vs, n_tokens, off, rot_dim, D,
-            stream, key, qov=None, kov=None):
-    """Layout, launch configuration and the launch: one block per token. ``qov``/``kov``: the
-    outputs of the out-of-place form (``spec.out``); in place they are ``qv``/``kv``."""
+def _launch(op, spec, rope, cache, stream, key, out=(None, None)):
+    """Layout, launch configuration and the launch: one block per token, over the checked
+    ``rope`` and ``cache`` arguments (either may be None). ``out``: the ``(query_out, key_out)``
+    views of the out-of-place form (``spec.out``); in place they are the query and key."""
+    pv, qv, cs = (rope.pv, rope.qv, rope.cs) if rope is not None else (None, None, None)
+    kv = rope.kv if rope is not None else cache.k
+    vv, slots, kcv, vcv, ks, vs = ((cache.v, cache.slots, cache.kcv, cache.vcv, cache.ks, cache.vs)
+                                   if cache is not None else (None,) * 6)
+    n_tokens = pv.shape[0] if rope is not None else slots.shape[0]
+    off, rot_dim = (rope.off, rope.rot_dim) if rope is not None else (0, 0)
+    D = rope.head_size if rope is not None else kv.shape[2]
     if n_tokens == 0:
         return
-    qov = qv if qov is None else qov
-    kov = kv if kov is None else kov
+    qov = qv if out[0] is None else out[0]
+    kov = kv if out[1] is None else out[1]
     vec = (_vector_ok(spec, qv, kv, vv, cs, kcv, vcv, off, rot_dim, D)
            and (not spec.out or C.vectors_ok(qov, kov)))
     spec = dataclasses.replace(spec, layout="vector" if vec else "scalar")
@@ -319,10 +84,9 @@ def _launch(op, spec, pv, qv, kv, vv, cs, slots, kcv, vcv, ks, vs, n_tokens, off
     else:
         items = (Hq + Hk) * e + (2 * Hk * D if spec.cache != "none" else 0)
         items += (Hq + Hk) * (D - 2 * e) if spec.out else 0
-    threads = L.forced_threads() or min(MAX_THREADS, max(32, -(-items // 32) * 32))
-    act = "uint32" if vec else {"bf16": "uint16", "f16": "uint16", "f32": "float32"}[spec.kind]
-    cstore = "uint8" if spec.kv != "auto" else {"bf16": "uint16", "f16": "uint16",
-                                                 "f32": "float32"}[spec.kind]
+    threads = L.forced_threads() or min(MAX_THREADS, L.whole_warps(items))
+    act = "uint32" if vec else storage_dtype(spec.kind)
+    cstore = "uint8" if spec.kv != "auto" else storage_dtype(spec.kind)
 
     def rows3(a):
         return L.array(a, words=vec) if a is not None else L.absent(act, 3)
@@ -337,8 +101,7 @@ def _launch(op, spec, pv, qv, kv, vv, cs, slots, kcv, vcv, ks, vs, n_tokens, off
     if spec.rope:
         cs_p = L.array(cs, words=vec)
     else:
-        cs_p = L.absent("uint32" if vec else {"bf16": "uint16", "f16": "uint16",
-                                              "f32": "float32"}[spec.cs_kind], 2)
+        cs_p = L.absent("uint32" if vec else storage_dtype(spec.cs_kind), 2)
     params = [L.array(pv) if pv is not None else L.absent("int64", 1),
               rows3(qv), rows3(kv), rows3(qov), rows3(kov), rows3(vv), cs_p,
               L.array(slots) if slots is not None else L.absent("int64", 1),
@@ -424,15 +187,14 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, r
     if k is not None and L.replay(k) is not None:
         return query, key
     op = "loomnb.rotary_embedding"
-    p, pv, q, qv, kv, cs, D, off, rot_dim = _rope_inputs(
-        op, positions, query, key, head_size, cos_sin_cache, is_neox, rope_dim_offset, inverse, fma)
-    C.writable(op, {"query": qv, "key": kv})
-    C.no_overlap(op, {"query": qv, "key": kv}, {"positions": pv, "cos_sin_cache": cs},
+    r = rope_inputs(op, positions, query, key, head_size, cos_sin_cache, is_neox,
+                    rope_dim_offset, inverse, fma)
+    C.writable(op, {"query": r.qv, "key": r.kv})
+    C.no_overlap(op, {"query": r.qv, "key": r.kv}, {"positions": r.pv, "cos_sin_cache": r.cs},
                  interleaved=True)
-    _check_indices(op, check_indices, p, cs, stream=stream)
-    spec = RopeCacheSpec(q.kind, cs.kind, True, is_neox, inverse, FORMS[(fma, inverse)])
-    _launch(op, spec, pv, qv, kv, None, cs, None, None, None, None, None, pv.shape[0], off,
-            rot_dim, D, stream, k)
+    _check_indices(op, check_indices, r, stream=stream)
+    spec = RopeCacheSpec(r.q.kind, r.cs.kind, True, is_neox, inverse, FORMS[(fma, inverse)])
+    _launch(op, spec, r, None, stream, k)
     return query, key
 
 
@@ -497,20 +259,21 @@ def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cach
     op = "loomnb.apply_rope_with_cos_sin_cache"
     if key is None:
         fail_type(op, "key", "an array (the out-of-place form rotates a query and a key)", "None")
-    p, pv, q, qv, kv, cs, D, off, rot_dim = _rope_inputs(
-        op, positions, query, key, head_size, cos_sin_cache, is_neox, 0, False, "vllm")
+    r = rope_inputs(op, positions, query, key, head_size, cos_sin_cache, is_neox, 0, False,
+                    "vllm")
+    q, lead, D = r.q, r.positions.shape, r.head_size
     qo = C.output(op, "query_out", query_out, like=q, kind=q.kind, shape=q.shape,
                   like_name="query")
-    ko = C.output(op, "key_out", key_out, like=kv, kind=q.kind, shape=tuple(kv.obj.shape),
+    ko = C.output(op, "key_out", key_out, like=r.kv, kind=q.kind, shape=tuple(r.kv.obj.shape),
                   like_name="key")
-    qov = _heads(op, "query_out", qo, p.shape, D, "query's shape")
-    kov = _heads(op, "key_out", ko, p.shape, D, "key's shape")
+    qov = heads(op, "query_out", qo, lead, D, "query's shape")
+    kov = heads(op, "key_out", ko, lead, D, "key's shape")
     C.no_overlap(op, {"query_out": qov, "key_out": kov},
-                 {"query": qv, "key": kv, "positions": pv, "cos_sin_cache": cs}, interleaved=True)
-    _check_indices(op, check_indices, p, cs, stream=stream)
-    spec = RopeCacheSpec(q.kind, cs.kind, True, is_neox, False, FORMS[("vllm", False)], out=True)
-    _launch(op, spec, pv, qv, kv, None, cs, None, None, None, None, None, pv.shape[0], off,
-            rot_dim, D, stream, k, qov, kov)
+                 {"query": r.qv, "key": r.kv, "positions": r.pv, "cos_sin_cache": r.cs},
+                 interleaved=True)
+    _check_indices(op, check_indices, r, stream=stream)
+    spec = RopeCacheSpec(q.kind, r.cs.kind, True, is_neox, False, FORMS[("vllm", False)], out=True)
+    _launch(op, spec, r, None, stream, k, out=(qov, kov))
     return qo.obj, ko.obj
 
 
@@ -520,17 +283,15 @@ def _cache_op(op, tag, legacy, key, value, key_cache, value_cache, slot_mapping,
                v_scale) if stream is None and check_indices is False else None)
     if k is not None and L.replay(k) is not None:
         return key_cache, value_cache
-    kv, vv, kc, vc, kcv, vcv, s, ks, vs, kvd = _kv_inputs(
-        op, key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
-        legacy=legacy)
-    C.no_overlap(op, {"key_cache": kcv, "value_cache": vcv},
-                 {"key": kv, "value": vv, "slot_mapping": s, "k_scale": ks, "v_scale": vs},
-                 interleaved=True)
-    _check_indices(op, check_indices, slots=s, key_cache=kcv, stream=stream)
-    spec = RopeCacheSpec(kv.kind, kv.kind, False, True, False, "nn",
-                         "legacy" if legacy else "flash", kvd)
-    _launch(op, spec, None, None, kv, vv, None, s, kcv, vcv, ks, vs, s.shape[0], 0, 0,
-            kv.shape[2], stream, k)
+    c = kv_inputs(op, key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale,
+                  v_scale, legacy=legacy)
+    C.no_overlap(op, {"key_cache": c.kcv, "value_cache": c.vcv},
+                 {"key": c.k, "value": c.v, "slot_mapping": c.slots, "k_scale": c.ks,
+                  "v_scale": c.vs}, interleaved=True)
+    _check_indices(op, check_indices, cache=c, stream=stream)
+    spec = RopeCacheSpec(c.k.kind, c.k.kind, False, True, False, "nn",
+                         "legacy" if legacy else "flash", c.kv)
+    _launch(op, spec, None, c, stream, k)
     return key_cache, value_cache
 
 
@@ -672,29 +433,27 @@ def rotary_embedding_and_cache(positions, query, key, value, key_cache, value_ca
     op = "loomnb.rotary_embedding_and_cache"
     if key is None:
         fail_value(op, "key", "an array (the fused op caches it)", "None")
-    p, pv, q, qv, kv, cs, D, off, rot_dim = _rope_inputs(
-        op, positions, query, key, head_size, cos_sin_cache, is_neox, rope_dim_offset, False,
-        "vllm", cs_kinds=None)
-    check_same_kind(op, "cos_sin_cache", cs, "query", q)
-    kc_obj = ad.wrap(op, "key_cache", key_cache)
-    legacy = kc_obj.ndim == 5
+    r = rope_inputs(op, positions, query, key, head_size, cos_sin_cache, is_neox,
+                    rope_dim_offset, False, "vllm", cs_kinds=None)
+    q = r.q
+    check_same_kind(op, "cos_sin_cache", r.cs, "query", q)
+    legacy = ad.wrap(op, "key_cache", key_cache).ndim == 5
     v = ad.wrap(op, "value", value)
-    vv = _heads(op, "value", v, (qv.shape[0],), D, "[num_tokens, ...]") if v.ndim in (2, 3) else None
+    vv = (heads(op, "value", v, (r.qv.shape[0],), r.head_size, "[num_tokens, ...]")
+          if v.ndim in (2, 3) else None)
     if vv is None:
         fail_value(op, "value", "[num_tokens, num_kv_heads * head_size] or [num_tokens, "
                    "num_kv_heads, head_size]", f"shape {list(v.shape)}")
     check_same_kind(op, "value", v, "key", q)
     check_same_device(op, "value", v, "key", q)
-    _, vv, kc, vc, kcv, vcv, s, ks, vs, kvd = _kv_inputs(
-        op, key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
-        legacy=legacy, like=q, kview=kv, vview=vv, value_shape=list(v.shape))
-    C.writable(op, {"query": qv, "key": kv})
-    C.no_overlap(op, {"query": qv, "key": kv, "key_cache": kcv, "value_cache": vcv},
-                 {"positions": pv, "value": vv, "cos_sin_cache": cs, "slot_mapping": s,
-                  "k_scale": ks, "v_scale": vs}, interleaved=True)
-    _check_indices(op, check_indices, p, cs, s, kcv, stream)
-    spec = RopeCacheSpec(q.kind, cs.kind, True, is_neox, False, FORMS[("vllm", False)],
-                         "legacy" if legacy else "flash", kvd)
-    _launch(op, spec, pv, qv, kv, vv, cs, s, kcv, vcv, ks, vs, pv.shape[0], off, rot_dim, D,
-            stream, k)
+    c = kv_inputs(op, key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale,
+                  v_scale, legacy=legacy, like=q, kview=r.kv, vview=vv, value_shape=list(v.shape))
+    C.writable(op, {"query": r.qv, "key": r.kv})
+    C.no_overlap(op, {"query": r.qv, "key": r.kv, "key_cache": c.kcv, "value_cache": c.vcv},
+                 {"positions": r.pv, "value": c.v, "cos_sin_cache": r.cs, "slot_mapping": c.slots,
+                  "k_scale": c.ks, "v_scale": c.vs}, interleaved=True)
+    _check_indices(op, check_indices, r, c, stream)
+    spec = RopeCacheSpec(q.kind, r.cs.kind, True, is_neox, False, FORMS[("vllm", False)],
+                         "legacy" if legacy else "flash", c.kv)
+    _launch(op, spec, r, c, stream, k)
     return query, key, key_cache, value_cache
