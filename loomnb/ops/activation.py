@@ -30,19 +30,17 @@ misaligned vector access.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
-import numpy as np
-
 from .. import _adapter as ad
-from .._dtypes import ACTIVATION_KINDS
-from ..checks import check_eps, check_kind, check_same_device
 from . import _contract as C
 from . import _launch as L
-from ._activation_kernels import (AMAX_UPT, DEQUANT_EPT, GROUP_SIZES, NUMERICS, TOKEN_UPT, UNIT,
-                                  ActSpec, DequantSpec, act_quant_kernel, chunk_upts,
-                                  dequant_kernel, size_siblings)
+from ._activation_args import (dequant_inputs, fake_dequant, fake_dynamic_tensor, fake_fp8,
+                               fake_fp8_half, fake_group, fake_group_fused, fake_half,
+                               fake_per_token, fp8_output, gated_input, group_args, group_scales,
+                               launch_act, r3, rows_of, vector_ok, x_input)
+from ._activation_kernels import (AMAX_UPT, DEQUANT_EPT, NUMERICS, TOKEN_UPT, UNIT, ActSpec,
+                                  DequantSpec, act_quant_kernel, chunk_upts, dequant_kernel)
 from ._torch_ops import torch_op
 
 __all__ = ["silu_and_mul", "mul_and_silu", "gelu_and_mul", "gelu_tanh_and_mul", "fatrelu_and_mul",
@@ -65,10 +63,7 @@ AMAX_ONE_BLOCK_ROWS = 8   # takes whole: no partials, two launches
 AMAX_MAX_THREADS = 512    # the amax pass's block size, forced or not (float32 rows: 76 registers)
 MAX_BLOCKS = 2 ** 31 - 1  # gridDim.x
 DEQUANT_THREADS = 128
-
-
-def _ceil32(n):
-    return max(32, -(-n // 32) * 32)
+_rows_of, _vector_ok = rows_of, vector_ok  # as notebooks/02_activation.ipynb reads them
 
 
 def chunk_upt(num_rows, units, spec=None):
@@ -94,7 +89,7 @@ def chunk_config(num_rows, units, threads=None, upt=None):
     upt = upt or chunk_upt(num_rows, units)
     if threads is None:
         want = SMALL_CHUNK_THREADS if num_rows * units <= SMALL_WORK else CHUNK_THREADS
-        threads = min(want, _ceil32(-(-units // upt)))
+        threads = min(want, L.whole_warps(-(-units // upt)))
     return threads, max(1, -(-units // (threads * upt)))
 
 
@@ -103,12 +98,12 @@ def token_config(num_rows, units, vector, threads=None):
     in registers (2 for small batches, 4 for large ones), or ``upt = 0``: a loop that reads the
     row twice (rows of more than 4 x 1024 units, or the element-wise layout)."""
     if not vector:
-        return threads or min(1024, _ceil32(units)), 0
+        return threads or min(1024, L.whole_warps(units)), 0
     if threads:
         return threads, next((u for u in TOKEN_UPT if u * threads >= units), 0)
     prefs = TOKEN_UPT if num_rows <= SMALL_BATCH else TOKEN_UPT[::-1]
     for upt in prefs:
-        t = _ceil32(-(-units // upt))
+        t = L.whole_warps(-(-units // upt))
         if t <= 1024:
             return t, upt
     return 1024, 0
@@ -120,7 +115,7 @@ def amax_config(num_rows, units, threads=None):
     tensor of at most ``AMAX_ONE_BLOCK`` units in at most ``AMAX_ONE_BLOCK_ROWS`` rows (it
     writes the scale itself); never more than ``AMAX_MAX_THREADS`` threads a block."""
     if num_rows * units <= AMAX_ONE_BLOCK and num_rows <= AMAX_ONE_BLOCK_ROWS:
-        return min(threads or _ceil32(units), AMAX_MAX_THREADS), (1, 1)
+        return min(threads or L.whole_warps(units), AMAX_MAX_THREADS), (1, 1)
     threads = min(threads or AMAX_THREADS, AMAX_MAX_THREADS)
     gy = max(1, min(-(-units // threads), AMAX_BLOCKS))
     gx = max(1, min(num_rows, AMAX_BLOCKS // gy))
@@ -128,74 +123,12 @@ def amax_config(num_rows, units, threads=None):
 
 
 # ---------------------------------------------------------------- shared plumbing
-def _r3(a, lead):
-    """A row view ``lead + (n,)`` as the kernels' 3-D ``[n0, n1, n]`` (``n0 = 1``, stride 0)."""
-    if len(lead) == 2:
-        return a
-    return a.view((1,) + a.shape, (0,) + a.strides)
-
-
-def _input(op, x_obj, name="x"):
-    x = ad.wrap(op, name, x_obj)
-    check_kind(op, name, x, ACTIVATION_KINDS)
-    if x.ndim < 1:
-        C.fail_value(op, name, "an array of shape [..., d]", "a 0-D array")
-    return x
-
-
-def _gated_input(op, x_obj):
-    x = _input(op, x_obj)
-    if x.shape[-1] % 2:
-        C.fail_value(op, "x", "of shape [..., 2*d] (an even last dimension)",
-                     f"shape {list(x.shape)}")
-    return x, x.shape[-1] // 2
-
-
-def _rows_of(op, out, x, d, gated):
-    """(lead, out view, x view) of ``out [..., d]`` and ``x [..., 2d]`` (or ``[..., d]``),
-    their leading dimensions merged alike."""
-    xh = x.view(x.shape[:-1] + (d,), x.strides) if gated else x
-    lead, (ov, xv) = C.rows(op, [("out", out), ("x", xh)])
-    if gated:
-        xv = xv.view(xv.shape[:-1] + (2 * d,), xv.strides)
-    return lead, ov, xv
-
-
-def _num(lead):
-    n = 1
-    for v in lead:
-        n *= v
-    return n
-
-
-def _vector_ok(ov, xv, d, fp8_out):
-    """16-byte units for every row: d a multiple of 8, rows 16-byte aligned (FP8 rows 8)."""
-    return (d % UNIT == 0 and C.vectors_ok(xv)
-            and C.vectors_ok(ov, unit=8 if fp8_out else C.VECTOR_BYTES))  # 8 FP8 codes: 8 bytes
-
-
-def _storage(kind):
-    return {"bf16": "uint16", "f16": "uint16", "f32": "float32", "fp8": "uint8", "u8": "uint8"}[kind]
-
-
-def _launch(op, spec, lead, ov, xv, d, *, scales=None, scale=None, partials=None, p0=0.0,
-            p1=0.0, grid, threads, stream, key, part=(0, 1)):
-    vec = spec.layout == "vector"
-    params = [L.array(_r3(ov, lead), words=vec), L.array(_r3(xv, lead), words=vec),
-              scales if scales is not None else L.absent("float32", 2),
-              L.array(scale) if scale is not None else L.absent("float32", 1),
-              L.array(partials) if partials is not None else L.absent("float32", 1),
-              L.f32(p0), L.f32(p1), L.i64(d)]
-    L.launch(act_quant_kernel, spec, grid, threads, params, like=xv, stream=stream, key=key,
-             part=part, warm=lambda: size_siblings(spec))
-
-
 def _chunked(op, spec, lead, ov, xv, d, stream, key, **kw):
     """One launch of a chunked sink over every row (nothing for zero rows)."""
-    rows = _num(lead)
+    rows = math.prod(lead)
     if rows == 0 or d == 0:
         return
-    vec = _vector_ok(ov, xv, d, spec.quant != "none")
+    vec = vector_ok(ov, xv, d, spec.quant != "none")
     units = -(-d // UNIT)
     upt = chunk_upt(rows, units, spec)
     threads, chunks = chunk_config(rows, units, L.forced_threads(), upt)
@@ -203,33 +136,17 @@ def _chunked(op, spec, lead, ov, xv, d, stream, key, **kw):
     if rows * chunks > MAX_BLOCKS:
         C.fail_value(op, "x", f"at most {MAX_BLOCKS} blocks of {threads * upt * UNIT} "
                      "elements", f"{rows} rows of {d}")
-    _launch(op, spec, lead, ov, xv, d, grid=rows * chunks, threads=threads, stream=stream,
+    launch_act(op, spec, lead, ov, xv, d, grid=rows * chunks, threads=threads, stream=stream,
             key=key, **kw)
-
-
-def _fake_half(x, *_, **__):
-    return x.new_empty(x.shape[:-1] + (x.shape[-1] // 2,))
-
-
-def _fp8_dtype():
-    return ad._torch.float8_e4m3fn
-
-
-def _fake_fp8(x, *_, **__):
-    return x.new_empty(x.shape, dtype=_fp8_dtype())
-
-
-def _fake_fp8_half(x, *_, **__):
-    return x.new_empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=_fp8_dtype())
 
 
 # ---------------------------------------------------------------- gated activations
 def _act_and_mul(name, act, x, out, p0, p1, stream, key):
     op = f"loomnb.{name}"
-    xa, d = _gated_input(op, x)
+    xa, d = gated_input(op, x)
     oa = C.output(op, "out", out, like=xa, kind=xa.kind, shape=xa.shape[:-1] + (d,))
     C.no_overlap(op, {"out": oa}, {"x": xa})
-    lead, ov, xv = _rows_of(op, oa, xa, d, True)
+    lead, ov, xv = rows_of(op, oa, xa, d, True)
     _chunked(op, ActSpec(xa.kind, act), lead, ov, xv, d, stream, key, p0=p0, p1=p1)
     return oa.obj
 
@@ -250,7 +167,7 @@ _GATED_DOC = """
 """
 
 
-@torch_op("Tensor x", outputs=("out",), fake=_fake_half)
+@torch_op("Tensor x", outputs=("out",), fake=fake_half)
 def silu_and_mul(x, out=None, *, stream=None):
     """SwiGLU gating: ``out = r(f(r(silu(g))) * f(u))``, ``g = x[..., :d]`` (gate, first half),
     ``u = x[..., d:]``, ``silu(g) = g / (1 + expf(-g))`` in float32 (IEEE division, libdevice
@@ -268,7 +185,7 @@ def silu_and_mul(x, out=None, *, stream=None):
     return _act_and_mul("silu_and_mul", "silu", x, out, 0.0, 0.0, stream, k)
 
 
-@torch_op("Tensor x", outputs=("out",), fake=_fake_half)
+@torch_op("Tensor x", outputs=("out",), fake=fake_half)
 def mul_and_silu(x, out=None, *, stream=None):
     """``out = r(f(g) * f(r(silu(u))))``: SiLU on the *second* half (``g = x[..., :d]``,
     ``u = x[..., d:]``), otherwise :func:`silu_and_mul`. Matches vLLM
@@ -282,7 +199,7 @@ def mul_and_silu(x, out=None, *, stream=None):
     return _act_and_mul("mul_and_silu", "mul_silu", x, out, 0.0, 0.0, stream, k)
 
 
-@torch_op("Tensor x", outputs=("out",), fake=_fake_half)
+@torch_op("Tensor x", outputs=("out",), fake=fake_half)
 def gelu_and_mul(x, out=None, *, stream=None):
     """GeGLU: ``out = r(f(r(gelu(g))) * f(u))``, ``gelu(g) = (g * 0.5) * (1 + erff(g * M_SQRT1_2))``
     in float32 (libdevice ``erff``; torch's exact GELU). Matches vLLM
@@ -296,7 +213,7 @@ def gelu_and_mul(x, out=None, *, stream=None):
     return _act_and_mul("gelu_and_mul", "gelu", x, out, 0.0, 0.0, stream, k)
 
 
-@torch_op("Tensor x", outputs=("out",), fake=_fake_half)
+@torch_op("Tensor x", outputs=("out",), fake=fake_half)
 def gelu_tanh_and_mul(x, out=None, *, stream=None):
     """GeGLU with the tanh GELU: ``gelu(g) = (0.5 * g) * (1 + tanhf(BETA * fma(KAPPA, g*g*g, g)))``,
     ``BETA = sqrt(2/pi)``, ``KAPPA = 0.044715`` (the FMA is the contraction nvcc makes in vLLM's
@@ -311,7 +228,7 @@ def gelu_tanh_and_mul(x, out=None, *, stream=None):
     return _act_and_mul("gelu_tanh_and_mul", "gelu_tanh", x, out, 0.0, 0.0, stream, k)
 
 
-@torch_op("Tensor x, float threshold=0.0", outputs=("out",), fake=_fake_half)
+@torch_op("Tensor x, float threshold=0.0", outputs=("out",), fake=fake_half)
 def fatrelu_and_mul(x, threshold=0.0, out=None, *, stream=None):
     """FATReLU gating: ``out = r(f(g if g > threshold else 0) * f(u))`` (NaN gate -> 0).
     ``threshold``: a finite real number, used as float32. Matches vLLM
@@ -326,7 +243,7 @@ def fatrelu_and_mul(x, threshold=0.0, out=None, *, stream=None):
     return _act_and_mul("fatrelu_and_mul", "fatrelu", x, out, t, 0.0, stream, k)
 
 
-@torch_op("Tensor x, float alpha=1.702, float limit=7.0", outputs=("out",), fake=_fake_half)
+@torch_op("Tensor x, float alpha=1.702, float limit=7.0", outputs=("out",), fake=fake_half)
 def swigluoai_and_mul(x, alpha=1.702, limit=7.0, out=None, *, stream=None):
     """GPT-OSS's clamped SwiGLU on *interleaved* pairs ``g = x[..., 0::2]``, ``u = x[..., 1::2]``:
     ``g' = fminf(g, limit)``, ``u' = fmaxf(fminf(u, limit), -limit)`` (a NaN becomes ``limit``),
@@ -346,12 +263,7 @@ def swigluoai_and_mul(x, alpha=1.702, limit=7.0, out=None, *, stream=None):
 
 
 # ---------------------------------------------------------------- static and fused static quant
-def _fp8_output(op, name, obj, like, shape):
-    return C.output(op, name, obj, like=like, kind=("fp8", "u8") if obj is not None else "fp8",
-                    shape=shape)
-
-
-@torch_op("Tensor x, Tensor scale", outputs=("out",), fake=_fake_fp8)
+@torch_op("Tensor x, Tensor scale", outputs=("out",), fake=fake_fp8)
 def static_scaled_fp8_quant(x, scale, out=None, *, stream=None):
     """Static per-tensor FP8 E4M3 quantisation: ``out = e4m3(clamp(f(x) * (1/scale)))``,
     ``1/scale`` computed once in float32 (vLLM multiplies; it does not divide). Units: stored =
@@ -374,17 +286,17 @@ def static_scaled_fp8_quant(x, scale, out=None, *, stream=None):
     if k is not None and (hit := L.replay(k)) is not None:
         return out if out is not None else hit[0]
     op = "loomnb.static_scaled_fp8_quant"
-    xa = _input(op, x)
+    xa = x_input(op, x)
     sa = C.one_element(op, "scale", scale, xa)
-    oa = _fp8_output(op, "out", out, xa, xa.shape)
+    oa = fp8_output(op, "out", out, xa, xa.shape)
     C.no_overlap(op, {"out": oa}, {"x": xa, "scale": sa})
-    lead, ov, xv = _rows_of(op, oa, xa, xa.shape[-1], False)
+    lead, ov, xv = rows_of(op, oa, xa, xa.shape[-1], False)
     _chunked(op, ActSpec(xa.kind, "none", "static"), lead, ov, xv, xa.shape[-1], stream, k,
              scale=sa)
     return oa.obj
 
 
-@torch_op("Tensor x, Tensor scale", outputs=("out",), fake=_fake_fp8_half)
+@torch_op("Tensor x, Tensor scale", outputs=("out",), fake=fake_fp8_half)
 def silu_and_mul_quant(x, scale, out=None, *, stream=None):
     """:func:`silu_and_mul` then :func:`static_scaled_fp8_quant`, in one pass:
     ``out = e4m3(clamp(f(r(f(r(silu(g))) * f(u))) * (1/scale)))``. Bit-identical to the two ops.
@@ -404,21 +316,17 @@ def silu_and_mul_quant(x, scale, out=None, *, stream=None):
     if k is not None and (hit := L.replay(k)) is not None:
         return out if out is not None else hit[0]
     op = "loomnb.silu_and_mul_quant"
-    xa, d = _gated_input(op, x)
+    xa, d = gated_input(op, x)
     sa = C.one_element(op, "scale", scale, xa)
-    oa = _fp8_output(op, "out", out, xa, xa.shape[:-1] + (d,))
+    oa = fp8_output(op, "out", out, xa, xa.shape[:-1] + (d,))
     C.no_overlap(op, {"out": oa}, {"x": xa, "scale": sa})
-    lead, ov, xv = _rows_of(op, oa, xa, d, True)
+    lead, ov, xv = rows_of(op, oa, xa, d, True)
     _chunked(op, ActSpec(xa.kind, "silu", "static"), lead, ov, xv, d, stream, k, scale=sa)
     return oa.obj
 
 
 # ---------------------------------------------------------------- dynamic per-tensor
-def _fake_dynamic_tensor(x, *_, **__):
-    return _fake_fp8(x), x.new_empty((1,), dtype=ad._torch.float32)
-
-
-@torch_op("Tensor x", outputs=("out", "scale"), fake=_fake_dynamic_tensor)
+@torch_op("Tensor x", outputs=("out", "scale"), fake=fake_dynamic_tensor)
 def dynamic_scaled_fp8_quant(x, out=None, *, scale=None, stream=None):
     """Dynamic per-tensor FP8 E4M3 quantisation: ``scale = max|x| / 448`` over the whole tensor
     (NaN ignored; no floor: an all-zero ``x`` gives ``scale = 0`` and codes +448, which
@@ -451,14 +359,14 @@ def dynamic_scaled_fp8_quant(x, out=None, *, scale=None, stream=None):
         q, s, _ = L.fill(hit, out, scale, None)  # allocated in order: out, scale, partials
         return q, s
     op = "loomnb.dynamic_scaled_fp8_quant"
-    xa = _input(op, x)
+    xa = x_input(op, x)
     d = xa.shape[-1]
-    oa = _fp8_output(op, "out", out, xa, xa.shape)
+    oa = fp8_output(op, "out", out, xa, xa.shape)
     sa = C.output(op, "scale", scale, like=xa, kind="f32", shape=(1,))
     C.no_overlap(op, {"out": oa, "scale": sa}, {"x": xa})
-    lead, ov, xv = _rows_of(op, oa, xa, d, False)
-    rows, units = _num(lead), -(-d // UNIT)
-    vec = rows > 0 and _vector_ok(ov, xv, d, True)
+    lead, ov, xv = rows_of(op, oa, xa, d, False)
+    rows, units = math.prod(lead), -(-d // UNIT)
+    vec = rows > 0 and vector_ok(ov, xv, d, True)
     layout = "vector" if vec else "scalar"
     forced = L.forced_threads()
     t1, grid1 = amax_config(rows, units, forced)
@@ -467,7 +375,7 @@ def dynamic_scaled_fp8_quant(x, out=None, *, scale=None, stream=None):
     quant = rows > 0 and d > 0  # an empty x: scale = 0, nothing to quantise
     parts = 1 + (blocks > 1) + quant
     spec = ActSpec(xa.kind, "none", "amax", layout=layout, upt=AMAX_UPT if vec else 1)
-    _launch(op, spec, lead, ov, xv, d, scale=sa, partials=pa, grid=grid1, threads=t1,
+    launch_act(op, spec, lead, ov, xv, d, scale=sa, partials=pa, grid=grid1, threads=t1,
             stream=stream, key=k, part=(0, parts))
     if blocks > 1:  # one block (of a fixed size) folds the partials, a float32 row, into the scale
         params = [L.absent("uint8", 3), L.array(pa.view((1, 1, blocks), (0, 0, 1))),
@@ -479,17 +387,13 @@ def dynamic_scaled_fp8_quant(x, out=None, *, scale=None, stream=None):
     if quant:
         spec = ActSpec(xa.kind, "none", "tensor", layout=layout, upt=chunk_upt(rows, units))
         t2, chunks = chunk_config(rows, units, forced, spec.upt)
-        _launch(op, spec, lead, ov, xv, d, scale=sa,
+        launch_act(op, spec, lead, ov, xv, d, scale=sa,
                 grid=rows * chunks, threads=t2, stream=stream, key=k, part=(parts - 1, parts))
     return oa.obj, sa.obj
 
 
 # ---------------------------------------------------------------- dynamic per-token
-def _fake_per_token(x, *_, **__):
-    return _fake_fp8(x), x.new_empty((math.prod(x.shape[:-1]), 1), dtype=ad._torch.float32)
-
-
-@torch_op("Tensor x, Tensor? scale_ub=None", outputs=("out", "scales"), fake=_fake_per_token)
+@torch_op("Tensor x, Tensor? scale_ub=None", outputs=("out", "scales"), fake=fake_per_token)
 def dynamic_per_token_scaled_fp8_quant(x, scale_ub=None, out=None, *, scales=None, stream=None):
     """Dynamic per-token FP8 E4M3 quantisation: per row ``amax = max|f(x)|`` (NaN ignored),
     ``scale = max(min(amax, scale_ub) / 448, 1/(448*512))`` (``scale_ub`` clips the amax,
@@ -517,108 +421,37 @@ def dynamic_per_token_scaled_fp8_quant(x, scale_ub=None, out=None, *, scales=Non
     if k is not None and (hit := L.replay(k)) is not None:
         return L.fill(hit, out, scales)
     op = "loomnb.dynamic_per_token_scaled_fp8_quant"
-    xa = _input(op, x)
+    xa = x_input(op, x)
     d = xa.shape[-1]
     ua = C.one_element(op, "scale_ub", scale_ub, xa) if scale_ub is not None else None
-    rows = _num(xa.shape[:-1])
-    oa = _fp8_output(op, "out", out, xa, xa.shape)
+    rows = math.prod(xa.shape[:-1])
+    oa = fp8_output(op, "out", out, xa, xa.shape)
     sa = C.output(op, "scales", scales, like=xa, kind="f32", shape=(rows, 1))
     C.no_overlap(op, {"out": oa, "scales": sa}, {"x": xa, "scale_ub": ua})
-    lead, ov, xv = _rows_of(op, oa, xa, d, False)
+    lead, ov, xv = rows_of(op, oa, xa, d, False)
     if rows == 0:
         return oa.obj, sa.obj
     units = -(-d // UNIT) if d else 0
-    vec = d > 0 and _vector_ok(ov, xv, d, True)
+    vec = d > 0 and vector_ok(ov, xv, d, True)
     threads, upt = token_config(rows, max(units, 1), vec, L.forced_threads())
     spec = ActSpec(xa.kind, "none", "token", scale_ub=ua is not None,
                    layout="vector" if vec else "scalar", upt=upt)
-    _launch(op, spec, lead, ov, xv, d, scales=L.array(sa), scale=ua, grid=rows,
+    launch_act(op, spec, lead, ov, xv, d, scales=L.array(sa), scale=ua, grid=rows,
             threads=threads, stream=stream, key=k)
     return oa.obj, sa.obj
 
 
 # ---------------------------------------------------------------- per-token-group
-def _group_args(op, x, group_size, eps, column_major, tma, ue8m0, d):
-    if isinstance(group_size, bool) or not isinstance(group_size, int):
-        C.fail_type(op, "group_size", "an int", repr(group_size))
-    if group_size not in GROUP_SIZES:
-        C.fail_value(op, "group_size", "one of " + ", ".join(map(str, GROUP_SIZES)), repr(group_size))
-    if d % group_size:
-        C.fail_value(op, "group_size", f"a divisor of the last dimension of the output (d = {d})",
-                     repr(group_size))
-    eps = check_eps(op, eps)
-    for name, v in (("column_major_scales", column_major), ("tma_aligned_scales", tma),
-                    ("use_ue8m0", ue8m0)):
-        if not isinstance(v, bool):
-            C.fail_type(op, name, "a bool", repr(v))
-    if (column_major or tma) and x.ndim != 2:
-        C.fail_value(op, "x", "2-D [num_tokens, d] with column-major or TMA-aligned scales",
-                     f"shape {list(x.shape)}")
-    return eps
-
-
-def _flat2d(op, name, a, rows, cols):
-    """``a [..., cols]`` as the 2-D ``[rows, cols]`` view the kernels index (any strides; the
-    leading dimensions must merge into one)."""
-    if a.ndim == 2:
-        return a
-    dims = [(n, s) for n, s in zip(a.shape[:-1], a.strides[:-1]) if n != 1]
-    for (_, s0), (n1, s1) in zip(dims, dims[1:]):
-        if s0 != s1 * n1:
-            C.fail_value(op, name, "an array whose leading dimensions merge into one",
-                         f"shape {list(a.shape)} with strides {list(a.strides)}")
-    return a.view((rows, cols), (dims[-1][1] if dims else 0, a.strides[-1] if a.ndim else 0))
-
-
-def _group_scales(op, out_s, xa, lead_shape, groups, column_major, tma):
-    """(scales object to return, its 2-D ``[rows, G]`` kernel view). Allocated in the requested
-    layout -- column-major and TMA-aligned as strides ``(1, rows')``, ``rows'`` = ``rows`` or
-    ``rows`` rounded up to a multiple of 4 (torch: one ``empty_strided`` tensor, not a view;
-    other libraries: a ``[G, rows']`` buffer seen transposed) -- or the caller's array, any
-    strides, whose own layout is used whatever the flags say."""
-    rows = _num(lead_shape)
-    if out_s is None and (column_major or tma):
-        mp = -(-rows // 4) * 4 if tma else rows
-        if xa.lib == "torch":
-            torch = ad._torch
-            alloc = functools.partial(torch.empty_strided, (rows, groups), (1, mp),
-                                      dtype=torch.float32, device=xa.obj.device)
-            sa = ad.wrap(op, "out_s", alloc())
-            sa.alloc = alloc  # the eager fast path allocates it again on a replay
-            return sa.obj, sa
-        full = C.output(op, "out_s", None, like=xa, kind="f32", shape=(groups, mp))
-        return full.obj[:, :rows].T, full.view((rows, groups), (1, mp))
-    sa = C.output(op, "out_s", out_s, like=xa, kind="f32", shape=tuple(lead_shape) + (groups,))
-    return sa.obj, _flat2d(op, "out_s", sa, rows, groups)
-
-
 def _group_quant(op, act, numerics, xa, d, group_size, eps, column_major, tma, ue8m0, out_q, out_s,
                  stream, key):
-    eps = _group_args(op, xa, group_size, eps, column_major, tma, ue8m0, d)
+    eps = group_args(op, xa, group_size, eps, column_major, tma, ue8m0, d)
     spec = ActSpec(xa.kind, act, "group", numerics=numerics, group=group_size, ue8m0=ue8m0)
-    qa = _fp8_output(op, "out_q", out_q, xa, xa.shape[:-1] + (d,))
-    s_obj, sv = _group_scales(op, out_s, xa, xa.shape[:-1], d // group_size, column_major, tma)
+    qa = fp8_output(op, "out_q", out_q, xa, xa.shape[:-1] + (d,))
+    s_obj, sv = group_scales(op, out_s, xa, xa.shape[:-1], d // group_size, column_major, tma)
     C.no_overlap(op, {"out_q": qa, "out_s": sv}, {"x": xa})
-    lead, ov, xv = _rows_of(op, qa, xa, d, act != "none")
+    lead, ov, xv = rows_of(op, qa, xa, d, act != "none")
     _chunked(op, spec, lead, ov, xv, d, stream, key, scales=L.array(sv), p0=eps)
     return qa.obj, s_obj
-
-
-def _fake_group(x, group_size, eps=1e-10, column_major_scales=False, tma_aligned_scales=False,
-                use_ue8m0=False, *_, half=False, **__):
-    torch = ad._torch
-    d = x.shape[-1] // 2 if half else x.shape[-1]
-    q = x.new_empty(x.shape[:-1] + (d,), dtype=torch.float8_e4m3fn)
-    g = d // group_size
-    if not (column_major_scales or tma_aligned_scales):
-        return q, x.new_empty(x.shape[:-1] + (g,), dtype=torch.float32)
-    m = x.shape[0]
-    mp = -(-m // 4) * 4 if tma_aligned_scales else m
-    return q, torch.empty_strided((m, g), (1, mp), dtype=torch.float32, device=x.device)
-
-
-def _fake_group_fused(x, group_size, *a, **k):
-    return _fake_group(x, group_size, *a, half=True, **k)
 
 
 def _group_key(tag, group_size, eps, column_major, tma, ue8m0, numerics, x, out_q, out_s):
@@ -628,7 +461,7 @@ def _group_key(tag, group_size, eps, column_major, tma, ue8m0, numerics, x, out_
 
 @torch_op("Tensor x, int group_size, float eps=1e-10, bool column_major_scales=False, "
           "bool tma_aligned_scales=False, bool use_ue8m0=False", outputs=("out_q", "out_s"),
-          fake=_fake_group)
+          fake=fake_group)
 def per_token_group_quant_fp8(x, group_size, eps=1e-10, column_major_scales=False,
                               tma_aligned_scales=False, use_ue8m0=False, out_q=None, out_s=None,
                               *, stream=None):
@@ -673,7 +506,7 @@ def per_token_group_quant_fp8(x, group_size, eps=1e-10, column_major_scales=Fals
     if k is not None and (hit := L.replay(k)) is not None:
         return L.fill(hit, out_q, out_s)
     op = "loomnb.per_token_group_quant_fp8"
-    xa = _input(op, x)
+    xa = x_input(op, x)
     return _group_quant(op, "none", "unfused", xa, xa.shape[-1], group_size, eps,
                         column_major_scales, tma_aligned_scales, use_ue8m0, out_q, out_s, stream, k)
 
@@ -683,7 +516,7 @@ per_token_group_fp8_quant = per_token_group_quant_fp8
 
 @torch_op("Tensor x, int group_size, float eps=1e-10, bool column_major_scales=False, "
           "bool tma_aligned_scales=False, bool use_ue8m0=False, *, str numerics='unfused'",
-          outputs=("out_q", "out_s"), fake=_fake_group_fused)
+          outputs=("out_q", "out_s"), fake=fake_group_fused)
 def silu_and_mul_per_token_group_quant_fp8(x, group_size, eps=1e-10, column_major_scales=False,
                                            tma_aligned_scales=False, use_ue8m0=False, out_q=None,
                                            out_s=None, *, numerics="unfused", stream=None):
@@ -711,7 +544,7 @@ def silu_and_mul_per_token_group_quant_fp8(x, group_size, eps=1e-10, column_majo
     if k is not None and (hit := L.replay(k)) is not None:
         return L.fill(hit, out_q, out_s)
     op = "loomnb.silu_and_mul_per_token_group_quant_fp8"
-    xa, d = _gated_input(op, x)
+    xa, d = gated_input(op, x)
     C.choice(op, "numerics", numerics, NUMERICS)
     if numerics == "per_block" and use_ue8m0 is True:
         C.fail_value(op, "use_ue8m0", "False with numerics='per_block' (vLLM's "
@@ -721,31 +554,7 @@ def silu_and_mul_per_token_group_quant_fp8(x, group_size, eps=1e-10, column_majo
 
 
 # ---------------------------------------------------------------- dequantisation
-_DEQUANT_KINDS = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "bf16": "bf16",
-                  "f16": "f16", "f32": "f32", "half": "f16", "float": "f32"}
-
-
-def _dequant_kind(op, dtype):
-    if isinstance(dtype, str):
-        name = dtype
-    elif ad._torch is not None and isinstance(dtype, ad._torch.dtype):
-        name = str(dtype).replace("torch.", "")
-    else:
-        try:
-            name = np.dtype(dtype).name
-        except TypeError:
-            name = None
-    kind = _DEQUANT_KINDS.get(name)
-    if kind is None:
-        C.fail_type(op, "dtype", "bfloat16, float16 or float32", repr(dtype))
-    return kind
-
-
-def _fake_dequant(q, scale, dtype, *_, **__):
-    return q.new_empty(q.shape, dtype=dtype)
-
-
-@torch_op("Tensor q, Tensor scale, ScalarType dtype", outputs=("out",), fake=_fake_dequant)
+@torch_op("Tensor q, Tensor scale, ScalarType dtype", outputs=("out",), fake=fake_dequant)
 def scaled_fp8_dequant(q, scale, dtype, *, out=None, stream=None):
     """FP8 E4M3 dequantisation: ``out = r(f(q) * scale)`` rounded once to ``dtype``, for every
     scale layout the quantisers produce: one element (per tensor), ``[..., 1]`` (per token) or
@@ -769,32 +578,16 @@ def scaled_fp8_dequant(q, scale, dtype, *, out=None, stream=None):
     if k is not None and (hit := L.replay(k)) is not None:
         return out if out is not None else hit[0]
     op = "loomnb.scaled_fp8_dequant"
-    qa = ad.wrap(op, "q", q)
-    check_kind(op, "q", qa, ("fp8", "u8"))
-    if qa.ndim < 1:
-        C.fail_value(op, "q", "an array of shape [..., d]", "a 0-D array")
-    kind = _dequant_kind(op, dtype)
-    sa = ad.wrap(op, "scale", scale)
-    check_kind(op, "scale", sa, ("f32",))
-    check_same_device(op, "scale", sa, "q", qa)
-    d, lead_shape = qa.shape[-1], qa.shape[:-1]
-    rows = _num(lead_shape)
-    if sa.size == 1:
-        sv, groups = sa.view((rows, 1), (0, 0)), 1
-    else:
-        groups = sa.shape[-1] if sa.ndim else 0
-        if tuple(sa.shape[:-1]) != tuple(lead_shape) or groups == 0 or d % groups:
-            C.fail_value(op, "scale", f"one element, [..., 1] or [..., G] with G dividing {d} "
-                         f"(leading dimensions {list(lead_shape)})", f"shape {list(sa.shape)}")
-        sv = _flat2d(op, "scale", sa, rows, groups)
+    qa, kind, sa, sv, groups = dequant_inputs(op, q, scale, dtype)
+    d, rows = qa.shape[-1], math.prod(qa.shape[:-1])
     oa = C.output(op, "out", out, like=qa, kind=kind, shape=qa.shape, like_name="q")
     C.no_overlap(op, {"out": oa}, {"q": qa, "scale": sa})
     lead, (ov, qv) = C.rows(op, [("out", oa), ("q", qa)])
     if rows == 0 or d == 0:
         return oa.obj
-    threads = L.forced_threads() or min(DEQUANT_THREADS, _ceil32(d))
+    threads = L.forced_threads() or min(DEQUANT_THREADS, L.whole_warps(d))
     chunks = -(-d // (threads * DEQUANT_EPT))
-    params = [L.array(_r3(ov, lead)), L.array(_r3(qv, lead)), L.array(sv),
+    params = [L.array(r3(ov, lead)), L.array(r3(qv, lead)), L.array(sv),
               L.i64(d // groups), L.i64(d)]
     L.launch(dequant_kernel, DequantSpec(kind), (rows, chunks), threads, params, like=qa,
              stream=stream, key=k)
