@@ -24,14 +24,14 @@ elements. Many thread blocks share a row when rows are few (``launch_config``).
 from __future__ import annotations
 
 import contextlib
-import numbers
 
 from .. import _adapter as ad
 from ..checks import check_kind, check_ndim, check_same_device, check_shape
 from . import _contract as C
 from . import _launch as L
-from ._sampling_kernels import (MAX_LOGPROBS, NF, NI, SAMPLERS, UNIT, LogprobSpec, MinPSpec,
-                                logprob_kernel, min_p_kernel)
+from ._sampling_kernels import (NF, NI, SAMPLERS, LogprobSpec, MinPSpec, logprob_kernel,
+                                min_p_kernel)
+from ._sampling_rows import MAX_LOGPROBS, UNIT
 from ._torch_ops import torch_op
 
 __all__ = ["greedy_sample_logprob", "selected_token_logprob_rank", "top_k_logprobs",
@@ -44,6 +44,7 @@ UNITS_PER_THREAD = 4     # 16-byte units a thread reads at least, before a row i
 BLOCKS_PER_SM = 2        # target: about two blocks per SM in flight (one wave)
 MAX_RECORDS = 4096       # workspace records (num_rows * splits) and counters (rows)
 V2_BLOCK = 8192          # V2's rank kernel loads 8192-wide blocks, padding with -inf
+SIMULATOR_SMS = 4        # the simulator's SM count for the split rule: any small number
 
 
 def v2_pad(vocab_size):
@@ -66,7 +67,6 @@ def launch_config(num_rows, vocab_size, unit, num_sms, threads=None, splits=None
     is still capped at ``max_threads``, the most the variant's registers allow
     (``tests/test_sampling_registers.py``: registers x threads must fit an SM's 65,536).
     """
-    ceil32 = lambda n: max(32, -(-n // 32) * 32)  # noqa: E731
     units = -(-vocab_size // unit)
     rows = max(num_rows, 1)
     if splits is None:
@@ -76,7 +76,7 @@ def launch_config(num_rows, vocab_size, unit, num_sms, threads=None, splits=None
     chunk_units = -(-units // splits)
     splits = -(-units // chunk_units)  # no empty block
     if threads is None:
-        threads = ceil32(-(-chunk_units // UNITS_PER_THREAD))
+        threads = L.whole_warps(-(-chunk_units // UNITS_PER_THREAD))
     return min(threads, max_threads), splits, chunk_units * unit
 
 
@@ -99,7 +99,6 @@ def force_splits(n):
 
 # ---------------------------------------------------------------- workspace
 _workspaces = {}  # (library, device, stream handle) -> (ws_f, ws_i, counters) Arrs
-_num_sms = {}
 
 
 class _Workspace:
@@ -154,21 +153,6 @@ def _ws_param(obj, storage, like):
     return L.ArrayParam(arr, ptr, obj.shape, strides, storage)
 
 
-def _sms(like):
-    n = _num_sms.get((like.lib, like.device))
-    if n is None:
-        if like.lib == "torch":
-            n = ad._torch.cuda.get_device_properties(like.device).multi_processor_count
-        elif like.lib == "numpy":
-            n = 4  # the simulator: any small number
-        else:
-            from numba import cuda
-            with cuda.gpus[like.device]:
-                n = cuda.get_current_device().MULTIPROCESSOR_COUNT
-        _num_sms[(like.lib, like.device)] = n
-    return n
-
-
 def _stream_key(x, stream):
     """The current stream's handle for the fast-path key (a workspace is per stream), or None
     when the call cannot take the fast path."""
@@ -205,11 +189,8 @@ def _sampler(op, sampler):
 
 
 def _k(op, k, vocab_size):
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-        C.fail_type(op, "k", "an int", repr(k))
-    k = int(k)
-    if not 0 <= k <= MAX_LOGPROBS:
-        C.fail_value(op, "k", f"0 <= k <= {MAX_LOGPROBS} (vLLM's max_logprobs)", repr(k))
+    k = C.integer(op, "k", k, 0, MAX_LOGPROBS,
+                  expected=f"0 <= k <= {MAX_LOGPROBS} (vLLM's max_logprobs)")
     if k > vocab_size:
         C.fail_value(op, "k", f"at most vocab_size ({vocab_size})", repr(k))
     return k
@@ -226,7 +207,8 @@ def _launch_logprob(op, spec, la, ta, tok, idx, lp, rank, k, stream, key):
         return
     unit = UNIT[spec.kind]
     vec = C.vectors_ok(la)
-    threads, splits, chunk = launch_config(R, V, unit, _sms(la), L.forced_threads(), _forced_splits,
+    threads, splits, chunk = launch_config(R, V, unit, L.sm_count(la, simulator=SIMULATOR_SMS),
+                                           L.forced_threads(), _forced_splits,
                                            TOPK_THREADS if spec.topk else THREADS)
     if splits > 1:
         assert R * splits <= MAX_RECORDS
@@ -488,8 +470,8 @@ def min_p_filter_(logits, min_p, sampler="v1", *, stream=None):
         return logits
     vec = C.vectors_ok(la)
     layout = "vec" if vec else "scalar"
-    threads, splits, chunk = launch_config(R, V, UNIT["f32"], _sms(la), L.forced_threads(),
-                                           _forced_splits)
+    threads, splits, chunk = launch_config(R, V, UNIT["f32"], L.sm_count(la, simulator=SIMULATOR_SMS),
+                                           L.forced_threads(), _forced_splits)
     ws = _workspace(la, stream)
     params = [L.array(la, words=vec), L.array(ma), _ws_param(ws.f, "float64", la),
               L.i64(V), L.i64(splits), L.i64(chunk)]
