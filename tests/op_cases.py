@@ -670,6 +670,34 @@ def _(rng, d, kind, special):
             b["bonus_token_ids"], b["max_spec_len"]), {}
 
 
+# ---------------------------------------------------------------- what a serving loop grows
+# The sizes each grown dimension takes in the no-recompile tests: past every size rule of the
+# families (activation: 1, 2 and 4 units a thread at 33,792 and 2^20 units; attention: 1/2/4
+# heads a CTA, the vector lanes past a wave, the split merge from 256 tokens).
+GROWN_SIZES = {"num_tokens": (1, 3, 250, 20000, 400000), "num_rows": (1, 3, 250, 20000),
+               "num_reqs": (1, 3, 250, 2000), "num_seqs": (1, 3, 64, 300),
+               "seq_len": (1, 40, 300, 5000)}
+
+
+def grown():
+    """``(op name, dimension)`` for every dimension a serving loop grows of every op."""
+    out = []
+    for name in sorted(CASES):
+        dims = CASES[name].recompile_dim
+        out += [(name, d) for d in ((dims,) if isinstance(dims, str) else dims) if d]
+    return out
+
+
+def grown_call(name, dim, n):
+    """The case of ``name`` with ``dim = n`` and every option fixed (one seed at every size);
+    decode attention grows its batch at a short context."""
+    c = CASES[name]
+    d = dict(c.dims, **{dim: n})
+    if name == "paged_decode_attention" and dim == "num_seqs":
+        d["seq_len"] = 8
+    return c.build(Draws(0), d, c.kinds[0], False)
+
+
 # ---------------------------------------------------------------- moving a case to the GPU
 def to_device(x):
     """A case's NumPy arguments as torch CUDA tensors with the same strides, views of one moved
