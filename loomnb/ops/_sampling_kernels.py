@@ -150,7 +150,7 @@ def logprob_kernel(spec):
         st = walk(lr, lo, hi, IDENTITY, xt, lv, li, k > 0)
         st = block_state(st, sf, sd, si)
         if TOPK:
-            take_top_k(lv, li, k, av, ai, topv, topi)
+            take_top_k(lv, li, k, av, ai, topv, topi, tid)
 
         if splits > 1:
             rec = row * splits + split
@@ -184,7 +184,7 @@ def logprob_kernel(spec):
             cuda.syncthreads()
             st = block_state(st, sf, sd, si)
             if TOPK:
-                take_top_k(lv, li, k, av, ai, topv, topi)
+                take_top_k(lv, li, k, av, ai, topv, topi, tid)
 
         # ---- finish the row (every thread holds the same statistics)
         m, mi, c, m2, s, nan_i, cge, below = st

@@ -79,17 +79,17 @@ def _pop(lv, li, K):
 
 
 @cuda.jit(device=True)
-def take_top_k(lv, li, k, av, ai, topv, topi):
+def take_top_k(lv, li, k, av, ai, topv, topi, tid):
     """The block's ``k`` best (value, index) pairs into ``topv``/``topi`` (shared; thread 0
     writes them), best first: ``k`` rounds of ``block_argmax`` over the head of every thread's
     sorted list ``lv``/``li``, the thread holding the winner dropping it. ``av``/``ai``: the
-    reduction's scratch; a barrier opens each round."""
+    reduction's scratch; a barrier opens each round. ``tid``: the thread's index."""
     for j in range(k):
         cuda.syncthreads()
         wv, wi = block_argmax(lv[0], li[0], av, ai)
         if li[0] == wi:
             _pop(lv, li, MAX_LOGPROBS)
-        if cuda.threadIdx.x == 0:
+        if tid == 0:
             topv[j], topi[j] = wv, wi
 
 
