@@ -45,3 +45,17 @@ def assert_fp8_codes(got, want, tol, what=""):
 
 def random_rows(rng, num_tokens, hidden_size, kind, scale=1.0):
     return (rng.standard_normal((num_tokens, hidden_size)) * scale).astype(KIND_DTYPES[kind])
+
+
+def assert_device_assert(code, message):
+    """Run ``code`` (Python that ends with ``torch.cuda.synchronize()``) in a subprocess -- a
+    device-side assert ends its CUDA context -- and check that it fired with ``message`` in
+    torch's report and that the kernel queued after it did not run."""
+    import subprocess
+    import sys
+    res = subprocess.run([sys.executable, "-c", code + "print('NO ASSERT')\n"],
+                         capture_output=True, text=True, timeout=300)
+    out = res.stderr + res.stdout
+    assert res.returncode != 0 and "NO ASSERT" not in out, out[-2000:]
+    assert f"Assertion `{message}" in out, out[-2000:]
+    assert "CUDA_ERROR_ASSERT" in out or "device-side assert" in out, out[-2000:]
