@@ -88,18 +88,12 @@ def _check_rms_norm(x, weight, eps, residual):
     C.rows(op, named)  # the row view the launch takes (the output loomnb allocates never limits it)
 
 
-def _activation_check(name):
-    """The activation family's own check ``name`` (``gated_input``, ``rows_of``), public or not
-    as the family's module has it (the family is being split into private modules)."""
-    return getattr(activation, name, None) or getattr(activation, "_" + name)
-
-
 def _check_silu_and_mul(x):
     op = "loomnb.silu_and_mul"
-    xa, d = _activation_check("gated_input")(op, _Probe(*x))
+    xa, d = activation.gated_input(op, _Probe(*x))
     shape = xa.shape[:-1] + (d,)  # the contiguous output loomnb allocates
     out = C.wrap(op, "out", _Probe(x[0], x[1], shape, _contiguous(shape)))
-    _activation_check("rows_of")(op, out, xa, d, True)
+    activation.rows_of(op, out, xa, d, True)
 
 
 def _check_rope(positions, query, key, head_size, cos_sin_cache, is_neox):
