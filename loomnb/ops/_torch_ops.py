@@ -1,6 +1,55 @@
-"""Every public op as a torch custom op, ``torch.ops.loomnb.<name>``, registered by one decorator.
+"""Every public op as a torch custom op, ``torch.ops.loomnb.<name>``, and the per-op preamble
+(torch.compile and the eager fast path), both from one decorator.
 
-``@torch_op(inputs, outputs=..., returns=..., fake=...)`` on a public op registers:
+An op is written as its body: docstring, validation, allocation, one launch. ``@torch_op(inputs,
+outputs=..., returns=..., fake=...)`` on it gives the public function, built once at import as
+Python source with the body's own parameter list (as :mod:`dataclasses` builds ``__init__``:
+no ``*args``/``**kwargs`` binding on the hot path) less the body's last parameter,
+``launch_key``. For ``rms_norm`` it reads (comments added)::
+
+    def rms_norm(x, weight, eps, *, out=_d_out, rounding=_d_rounding, stream=_d_stream):
+        if _is_compiling():                  # torch.compile: one torch.ops.loomnb node
+            return rms_norm.traced(x=x, weight=weight, eps=eps, rounding=rounding, out=out,
+                                   stream=stream)
+        _k = None
+        if stream is None:                   # the eager fast path
+            _k = _key3('rms_norm', eps, rounding, x, weight, out)
+            if _k is not None:
+                _hit = _replay(_k)
+                if _hit is not None:
+                    return (out if out is not None else _hit[0])
+        return _body(x, weight, eps, out=out, rounding=rounding, stream=stream, launch_key=_k)
+
+(``inspect.getsource(loomnb.rms_norm)`` shows it; the preamble's own names start with ``_``, so
+no parameter can shadow them), and the body passes ``launch_key`` to its launch(es)
+(``_launch.launch(..., key=launch_key)``), which remembers them for the next call with an equal
+key. The public function keeps the body's name, docstring and signature (``inspect.signature``
+has no ``launch_key``).
+
+**The key** comes from the schema (``_launch.key``: the tensors' data pointers, shapes, strides
+and dtypes, ``None`` for an absent one, in schema order with the outputs last; the float and str
+options, of exact types), so an op declares none of it. Options of other types are checked
+first, and a call whose option fails the check takes the checked path, which raises: a ``bool``
+must be a bool (``True == 1``), an ``int`` an int (or None for ``int?``); a ``ScalarType`` is
+keyed as ``str(dtype)``; a ``bool check_*`` option is no key part but a condition -- a checked
+call (``check_scale=True``, ``check_indices=True``) always takes the checked path. One float,
+one str and three tensors (the plain norms) use ``_launch.key3``, the same key written out.
+A hit returns what the op returns, each output the caller passed or else, in ``outputs`` order,
+the one the replay allocated (as ``_launch.fill``). Where an op's fast path differs:
+
+* ``stream_key="logits"``: the key also holds the current stream of ``logits``' device (the op
+  keeps a workspace per stream); no fast path unless ``logits`` is a CUDA torch tensor;
+* ``optional={"lse": "return_lse"}``: an output computed and returned only when the Python-only
+  flag is True or the caller passes it (``paged_decode_attention``); the flag must be a bool
+  and is part of the key, and the registered op always computes and returns it;
+* ``workspaces_first=1``: the replay allocates that many workspaces before the outputs (a
+  workspace the op's first launch writes: ``greedy_verify``).
+
+**torch.compile.** While torch.compile (Dynamo) traces a caller, the op calls its
+``torch.ops.loomnb`` twin, which Dynamo records as one graph node (no graph break), and the twin
+runs loomnb's eager op -- fast path included -- when the compiled graph runs, CUDA-graph
+capture included. Direct Python calls never go through the torch dispatcher. The decorator
+registers:
 
 * ``loomnb::<name>(<inputs>) -> <outputs>``: the functional form (outputs allocated), whose fake
   implementation is ``fake(*inputs)`` -- what torch.compile and the meta/fake-tensor machinery
@@ -8,12 +57,6 @@
 * ``loomnb::<name>.out(<inputs>, *, Tensor(z!) out, ...) -> ()`` when the op has outputs, for
   callers that pass them (``out=``);
 * ops with no outputs mutate inputs marked ``Tensor(a!)`` in ``inputs`` and return ``()``.
-
-The op itself begins with ``if ad.is_compiling(): return <op>.traced(...)``: while torch.compile
-(Dynamo) traces a caller, the op calls its ``torch.ops.loomnb`` twin, which Dynamo records as one
-graph node (no graph break), and the twin runs loomnb's eager op -- fast path included -- when
-the compiled graph runs, CUDA-graph capture included. Direct Python calls never go through the
-torch dispatcher.
 
 ``stream=`` has no place in a traced graph (the graph's stream is the current one): passing
 one while compiling raises.
@@ -26,43 +69,191 @@ kernel that raises :class:`~loomnb.LoomnbTypeError` saying so (instead of torch'
 
 from __future__ import annotations
 
+import inspect
+import linecache
+
 from .. import _adapter as ad
 from ..checks import LoomnbTypeError, LoomnbValueError
+from . import _launch as L
 
 torch = ad._torch
 _LIB = torch.library.Library("loomnb", "DEF") if torch is not None else None
 REGISTERED = {}  # name -> the Python op, for tests and listings
 
 
-def torch_op(inputs, *, outputs=(), returns=None, fake=None, eager=None):
-    """Register the decorated public op as ``torch.ops.loomnb.<its name>``.
+def torch_op(inputs, *, outputs=(), returns=None, fake=None, optional=None, stream_key=None,
+             workspaces_first=0):
+    """The public op of the decorated body, registered as ``torch.ops.loomnb.<its name>``.
 
     ``inputs``: the schema of its tensor and scalar arguments (names equal to the Python
     keyword names; mutated inputs annotated ``Tensor(a!)``). ``outputs``: names of the ``out``-
     style keyword arguments it allocates when None, in order. ``returns``: the names (outputs or
     mutated inputs) the Python op returns, in order; a single name means a single value.
     ``fake(*inputs)``: the new output tensors of the functional form (shapes and dtypes only).
-    ``eager(**kwargs)``: what the registered op runs, returning ``returns`` (default: the Python
-    op itself) -- for an op whose Python return depends on an option that is not in the schema
-    (``paged_decode_attention(..., return_lse=)``: the registered op always returns both).
+    ``optional``, ``stream_key``, ``workspaces_first``: see the module docstring.
     """
-    def deco(fn):
-        fn.traced = _make_traced(fn.__name__, inputs, tuple(outputs), tuple(returns or outputs),
-                                 fake, eager) if torch is not None else None
-        REGISTERED[fn.__name__] = fn
-        return fn
+    outputs, optional = tuple(outputs), dict(optional or {})
+    returns = tuple(returns or outputs)
+    args = _parse(inputs)
+
+    def deco(body):
+        name = body.__name__
+        op = _public(body, args, outputs, returns, optional, stream_key, workspaces_first)
+        op.traced = (_make_traced(name, inputs, args, outputs, returns, fake, optional)
+                     if torch is not None else None)
+        REGISTERED[name] = op
+        return op
     return deco
 
 
-def _arg_names(inputs):
-    """(positional argument names, keyword-only argument names) of a schema's inputs."""
-    schema = torch._C.parse_schema(f"loomnb::probe({inputs}) -> ()")
-    return (tuple(a.name for a in schema.arguments if not a.kwarg_only),
-            tuple(a.name for a in schema.arguments if a.kwarg_only))
+def _parse(inputs):
+    """``[(type, name, keyword-only)]`` of a schema's inputs (``"Tensor(a!)? residual=None"``:
+    type ``"Tensor?"``), read without torch."""
+    args, kwonly = [], False
+    for part in inputs.split(","):
+        part = part.strip()
+        if part == "*":
+            kwonly = True
+            continue
+        typ, name = part.split("=")[0].split()
+        base = typ.split("(")[0].rstrip("?") + ("?" if typ.endswith("?") else "")
+        args.append((base, name, kwonly))
+    return args
 
 
-def _make_traced(name, inputs, outputs, returns, fake, eager=None):
-    params, kwonly = _arg_names(inputs)
+# ---------------------------------------------------------------- the public op, as source
+def _public(body, args, outputs, returns, optional, stream_key, skip):
+    """The public function: ``body``'s signature less ``launch_key``, its preamble, then
+    ``body(..., launch_key=k)`` (module docstring)."""
+    name = body.__name__
+    params = list(inspect.signature(body).parameters.values())
+    if not params or params[-1].name != "launch_key" or params[-1].kind != params[-1].KEYWORD_ONLY:
+        raise TypeError(f"loomnb.{name}: the body's last parameter must be keyword-only "
+                        "'launch_key' (the fast path's key, which it passes to its launch)")
+    params = params[:-1]
+    ns = {"_is_compiling": ad.is_compiling, "_body": body, "_key": L.key, "_key3": L.key3,
+          "_replay": L.replay, "_fill": L.fill, "_stream_of": _current_stream}
+    sig, call, star = [], [], False
+    for p in params:
+        if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            raise TypeError(f"loomnb.{name}: parameter {p.name!r}: no *args, **kwargs or "
+                            "positional-only parameters")
+        if p.name.startswith("_"):
+            raise TypeError(f"loomnb.{name}: parameter {p.name!r}: the preamble's own names "
+                            "start with '_'")
+        if p.kind == p.KEYWORD_ONLY and not star:
+            sig.append("*")
+            star = True
+        if p.default is p.empty:
+            sig.append(p.name)
+        else:
+            ns[f"_d_{p.name}"] = p.default
+            sig.append(f"{p.name}=_d_{p.name}")
+        call.append(p.name if p.kind == p.POSITIONAL_OR_KEYWORD else f"{p.name}={p.name}")
+    traced_kw = ", ".join(f"{n}={n}" for n in [a[1] for a in args] + list(outputs) + ["stream"])
+    lines = [f"def {name}({', '.join(sig)}):",
+             "    if _is_compiling():"]
+    if optional:  # the twin always returns the optional output: drop it unless asked for
+        want = _want_expr(optional)
+        kept = [i for i, r in enumerate(returns) if r not in optional]
+        lines += [f"        _res = {name}.traced({traced_kw})",
+                  f"        return _res if {want} else _res[{kept[0]}]"]
+    else:
+        lines += [f"        return {name}.traced({traced_kw})"]
+    lines += ["    _k = None"]
+    lines += _fast_path(name, args, outputs, returns, optional, stream_key, skip)
+    lines += [f"    return _body({', '.join(call)}, launch_key=_k)"]
+    source, filename = "\n".join(lines) + "\n", f"<loomnb.{name} preamble>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), ns)  # tracebacks and inspect.getsource show it
+    op = ns[name]
+    op.__module__, op.__qualname__, op.__doc__ = body.__module__, body.__qualname__, body.__doc__
+    return op
+
+
+def _want_expr(optional):
+    return " and ".join(f"({f} is True or {o} is not None)" for o, f in optional.items())
+
+
+def _fast_path(name, args, outputs, returns, optional, stream_key, skip):
+    """Source lines of the fast path: the conditions, the key, the replay and its returns."""
+    conds, exact, loose, tensors = ["stream is None"], [], [], []
+    for typ, n, _ in args:
+        if typ.startswith("Tensor"):
+            tensors.append(n)
+        elif typ == "bool" and n.startswith("check_"):
+            conds.append(f"{n} is False")
+        elif typ == "bool":
+            conds.append(f"type({n}) is bool")
+            exact.append(n)
+        elif typ in ("int", "int?"):
+            conds.append(f"type({n}) is int" if typ == "int" else
+                         f"({n} is None or type({n}) is int)")
+            exact.append(n)
+        elif typ == "ScalarType":
+            exact.append(f"str({n})")
+        elif typ in ("float", "float?", "str"):
+            loose.append(n)
+        else:
+            raise TypeError(f"loomnb.{name}: no fast-path rule for schema type {typ!r}")
+    tensors += outputs
+    for flag in optional.values():
+        conds.append(f"type({flag}) is bool")
+    pre = []
+    if stream_key:
+        conds.append(f"(_h := _stream_of({stream_key})) is not None")
+        exact.insert(0, "_h")
+    if optional:
+        pre = [f"        _want = {_want_expr(optional)}"]
+        exact.append("_want")
+    if (not exact and len(tensors) == 3 and len(loose) == 2
+            and [t for t, n, _ in args if n in loose] == ["float", "str"]):
+        make = f"_key3({name!r}, {loose[0]}, {loose[1]}, {', '.join(tensors)})"
+    else:
+        tag = f"({name!r}, {', '.join(exact)})" if exact else repr(name)
+        scalars = ", ".join(loose) + ("," if len(loose) == 1 else "")
+        make = f"_key({tag}, ({scalars}), {', '.join(tensors)})"
+    lines = [f"    if {' and '.join(conds)}:", *pre, f"        _k = {make}",
+             "        if _k is not None:", "            _hit = _replay(_k)",
+             "            if _hit is not None:"]
+    if optional:
+        base = [o for o in outputs if o not in optional]
+        lines += ["                if _want:",
+                  *_hit_lines(outputs, returns, skip, "                    "),
+                  *_hit_lines(base, [r for r in returns if r not in optional], skip,
+                        "                ")]
+    else:
+        lines += _hit_lines(outputs, returns, skip, "                ")
+    return lines
+
+
+def _hit_lines(outputs, returns, skip, pad):
+    """Lines returning ``returns`` after a replay: each output the caller's, or else the next
+    of the replay's allocations (after ``skip`` workspaces), in ``outputs`` order."""
+    if len(outputs) == 1:
+        o = outputs[0]
+        vals = {o: f"({o} if {o} is not None else _hit[{skip}])"}
+        lines = []
+    else:
+        vals = {}
+        lines = ([f"{pad}{', '.join(outputs)} = _fill(_hit{f'[{skip}:]' if skip else ''}, "
+                  f"{', '.join(outputs)})"] if outputs else [])
+    got = [vals.get(r, r) for r in returns]
+    return lines + [f"{pad}return {', '.join(got)}"]
+
+
+def _current_stream(x):
+    """The current stream's handle on ``x``'s device, for a key, or None when ``x`` is not a
+    CUDA torch tensor (no fast path)."""
+    if torch is None or not isinstance(x, torch.Tensor) or not x.is_cuda:
+        return None
+    return torch._C._cuda_getCurrentRawStream(x.get_device())
+
+
+# ---------------------------------------------------------------- torch.ops.loomnb.<name>
+def _make_traced(name, inputs, args, outputs, returns, fake, optional):
+    params = tuple(n for _, n, kw in args if not kw)
+    kwonly = tuple(n for _, n, kw in args if kw)
     if outputs:
         ret = "Tensor" if len(outputs) == 1 else "(" + ", ".join("Tensor" for _ in outputs) + ")"
         _LIB.define(f"{name}({inputs}) -> {ret}")
@@ -72,10 +263,11 @@ def _make_traced(name, inputs, outputs, returns, fake, eager=None):
         _LIB.define(f"{name}.out({inputs}{star}, {outs}) -> ()")
     else:
         _LIB.define(f"{name}({inputs}) -> ()")
+    always = {flag: True for flag in optional.values()}  # the registered op returns them all
 
     def run(*args, **kwargs):  # the eager implementation behind torch.ops.loomnb.<name>
         kw = dict(zip(params, args), **kwargs)
-        res = (eager or REGISTERED[name])(**kw)
+        res = REGISTERED[name](**kw, **always)
         if not outputs:
             return None
         full = dict(kw, **dict(zip(returns, res if len(returns) > 1 else (res,))))
@@ -83,7 +275,7 @@ def _make_traced(name, inputs, outputs, returns, fake, eager=None):
         return vals[0] if len(vals) == 1 else vals
 
     def run_out(*args, **kwargs):
-        (eager or REGISTERED[name])(**dict(zip(params, args), **kwargs))
+        REGISTERED[name](**dict(zip(params, args), **kwargs), **always)
 
     def on_cpu(*args, **kwargs):  # what torch would otherwise answer with NotImplementedError
         raise LoomnbTypeError(f"torch.ops.loomnb.{name}: loomnb's torch ops run on CUDA tensors, "

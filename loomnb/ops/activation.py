@@ -141,8 +141,16 @@ def _chunked(op, spec, lead, ov, xv, d, stream, key, **kw):
 
 
 # ---------------------------------------------------------------- gated activations
-def _act_and_mul(name, act, x, out, p0, p1, stream, key):
-    op = f"loomnb.{name}"
+_GATED = {"silu_and_mul": "silu", "mul_and_silu": "mul_silu", "gelu_and_mul": "gelu",
+          "gelu_tanh_and_mul": "gelu_tanh", "fatrelu_and_mul": "fatrelu",
+          "swigluoai_and_mul": "swigluoai"}  # op -> ActSpec.act
+
+
+def _act_and_mul(name, x, out, stream, key, **reals):
+    """A gated activation's whole op: its real options (``threshold``, ``alpha``...: checked
+    first, in order, and passed to the kernel as float32), ``x``, ``out``, one launch."""
+    op, act = f"loomnb.{name}", _GATED[name]
+    p0, p1 = ([C.real(op, n, v) for n, v in reals.items()] + [0.0, 0.0])[:2]
     xa, d = gated_input(op, x)
     oa = C.output(op, "out", out, like=xa, kind=xa.kind, shape=xa.shape[:-1] + (d,))
     C.no_overlap(op, {"out": oa}, {"x": xa})
@@ -168,7 +176,7 @@ _GATED_DOC = """
 
 
 @torch_op("Tensor x", outputs=("out",), fake=fake_half)
-def silu_and_mul(x, out=None, *, stream=None):
+def silu_and_mul(x, out=None, *, stream=None, launch_key=None):
     """SwiGLU gating: ``out = r(f(r(silu(g))) * f(u))``, ``g = x[..., :d]`` (gate, first half),
     ``u = x[..., d:]``, ``silu(g) = g / (1 + expf(-g))`` in float32 (IEEE division, libdevice
     ``expf``); ``f`` widens to float32, ``r`` rounds to ``x``'s dtype (nearest even).
@@ -176,95 +184,68 @@ def silu_and_mul(x, out=None, *, stream=None):
     Matches vLLM ``torch.ops._C.silu_and_mul(out, input)`` and torch eager
     ``F.silu(x[..., :d]) * x[..., d:]`` bit for bit (the same rounding points; NaN as the
     canonical NaN). ``g = -inf`` gives NaN; ``g`` below about -88.7 gives ``-0.0 * u``.
-    """ + _GATED_DOC
-    if ad.is_compiling():
-        return silu_and_mul.traced(x=x, out=out, stream=stream)
-    k = L.key("silu_and_mul", (), x, out) if stream is None else None
-    if k is not None and (hit := L.replay(k)) is not None:
-        return out if out is not None else hit[0]
-    return _act_and_mul("silu_and_mul", "silu", x, out, 0.0, 0.0, stream, k)
+    """
+    return _act_and_mul("silu_and_mul", x, out, stream, launch_key)
 
 
 @torch_op("Tensor x", outputs=("out",), fake=fake_half)
-def mul_and_silu(x, out=None, *, stream=None):
+def mul_and_silu(x, out=None, *, stream=None, launch_key=None):
     """``out = r(f(g) * f(r(silu(u))))``: SiLU on the *second* half (``g = x[..., :d]``,
     ``u = x[..., d:]``), otherwise :func:`silu_and_mul`. Matches vLLM
     ``torch.ops._C.mul_and_silu(out, input)``.
-    """ + _GATED_DOC
-    if ad.is_compiling():
-        return mul_and_silu.traced(x=x, out=out, stream=stream)
-    k = L.key("mul_and_silu", (), x, out) if stream is None else None
-    if k is not None and (hit := L.replay(k)) is not None:
-        return out if out is not None else hit[0]
-    return _act_and_mul("mul_and_silu", "mul_silu", x, out, 0.0, 0.0, stream, k)
+    """
+    return _act_and_mul("mul_and_silu", x, out, stream, launch_key)
 
 
 @torch_op("Tensor x", outputs=("out",), fake=fake_half)
-def gelu_and_mul(x, out=None, *, stream=None):
+def gelu_and_mul(x, out=None, *, stream=None, launch_key=None):
     """GeGLU: ``out = r(f(r(gelu(g))) * f(u))``, ``gelu(g) = (g * 0.5) * (1 + erff(g * M_SQRT1_2))``
     in float32 (libdevice ``erff``; torch's exact GELU). Matches vLLM
     ``torch.ops._C.gelu_and_mul(out, input)``.
-    """ + _GATED_DOC
-    if ad.is_compiling():
-        return gelu_and_mul.traced(x=x, out=out, stream=stream)
-    k = L.key("gelu_and_mul", (), x, out) if stream is None else None
-    if k is not None and (hit := L.replay(k)) is not None:
-        return out if out is not None else hit[0]
-    return _act_and_mul("gelu_and_mul", "gelu", x, out, 0.0, 0.0, stream, k)
+    """
+    return _act_and_mul("gelu_and_mul", x, out, stream, launch_key)
 
 
 @torch_op("Tensor x", outputs=("out",), fake=fake_half)
-def gelu_tanh_and_mul(x, out=None, *, stream=None):
+def gelu_tanh_and_mul(x, out=None, *, stream=None, launch_key=None):
     """GeGLU with the tanh GELU: ``gelu(g) = (0.5 * g) * (1 + tanhf(BETA * fma(KAPPA, g*g*g, g)))``,
     ``BETA = sqrt(2/pi)``, ``KAPPA = 0.044715`` (the FMA is the contraction nvcc makes in vLLM's
     and torch's kernels), then as :func:`gelu_and_mul`. Matches vLLM
     ``torch.ops._C.gelu_tanh_and_mul(out, input)``.
-    """ + _GATED_DOC
-    if ad.is_compiling():
-        return gelu_tanh_and_mul.traced(x=x, out=out, stream=stream)
-    k = L.key("gelu_tanh_and_mul", (), x, out) if stream is None else None
-    if k is not None and (hit := L.replay(k)) is not None:
-        return out if out is not None else hit[0]
-    return _act_and_mul("gelu_tanh_and_mul", "gelu_tanh", x, out, 0.0, 0.0, stream, k)
+    """
+    return _act_and_mul("gelu_tanh_and_mul", x, out, stream, launch_key)
 
 
 @torch_op("Tensor x, float threshold=0.0", outputs=("out",), fake=fake_half)
-def fatrelu_and_mul(x, threshold=0.0, out=None, *, stream=None):
+def fatrelu_and_mul(x, threshold=0.0, out=None, *, stream=None, launch_key=None):
     """FATReLU gating: ``out = r(f(g if g > threshold else 0) * f(u))`` (NaN gate -> 0).
     ``threshold``: a finite real number, used as float32. Matches vLLM
     ``torch.ops._C.fatrelu_and_mul(out, input, threshold)``.
-    """ + _GATED_DOC
-    if ad.is_compiling():
-        return fatrelu_and_mul.traced(x=x, threshold=threshold, out=out, stream=stream)
-    k = L.key("fatrelu_and_mul", (threshold,), x, out) if stream is None else None
-    if k is not None and (hit := L.replay(k)) is not None:
-        return out if out is not None else hit[0]
-    t = C.real("loomnb.fatrelu_and_mul", "threshold", threshold)
-    return _act_and_mul("fatrelu_and_mul", "fatrelu", x, out, t, 0.0, stream, k)
+    """
+    return _act_and_mul("fatrelu_and_mul", x, out, stream, launch_key, threshold=threshold)
 
 
 @torch_op("Tensor x, float alpha=1.702, float limit=7.0", outputs=("out",), fake=fake_half)
-def swigluoai_and_mul(x, alpha=1.702, limit=7.0, out=None, *, stream=None):
+def swigluoai_and_mul(x, alpha=1.702, limit=7.0, out=None, *, stream=None, launch_key=None):
     """GPT-OSS's clamped SwiGLU on *interleaved* pairs ``g = x[..., 0::2]``, ``u = x[..., 1::2]``:
     ``g' = fminf(g, limit)``, ``u' = fmaxf(fminf(u, limit), -limit)`` (a NaN becomes ``limit``),
     ``out = r(((u' + 1) * g') / (1 + expf((-g') * alpha)))`` in float32, rounded once. ``alpha``
     and ``limit``: finite reals, used as float32. Matches vLLM
     ``torch.ops._C.swigluoai_and_mul(out, input, alpha, limit)`` (the formula of its vectorised
     revision; an older one computed ``g' * sigmoid`` first, which can move the last bit).
-    """ + _GATED_DOC
-    if ad.is_compiling():
-        return swigluoai_and_mul.traced(x=x, alpha=alpha, limit=limit, out=out, stream=stream)
-    k = L.key("swigluoai_and_mul", (alpha, limit), x, out) if stream is None else None
-    if k is not None and (hit := L.replay(k)) is not None:
-        return out if out is not None else hit[0]
-    op = "loomnb.swigluoai_and_mul"
-    a, lim = C.real(op, "alpha", alpha), C.real(op, "limit", limit)
-    return _act_and_mul("swigluoai_and_mul", "swigluoai", x, out, a, lim, stream, k)
+    """
+    return _act_and_mul("swigluoai_and_mul", x, out, stream, launch_key, alpha=alpha, limit=limit)
+
+
+for _op in (silu_and_mul, mul_and_silu, gelu_and_mul, gelu_tanh_and_mul, fatrelu_and_mul,
+            swigluoai_and_mul):
+    _op.__doc__ += _GATED_DOC
+del _op
 
 
 # ---------------------------------------------------------------- static and fused static quant
 @torch_op("Tensor x, Tensor scale", outputs=("out",), fake=fake_fp8)
-def static_scaled_fp8_quant(x, scale, out=None, *, stream=None):
+def static_scaled_fp8_quant(x, scale, out=None, *, stream=None, launch_key=None):
     """Static per-tensor FP8 E4M3 quantisation: ``out = e4m3(clamp(f(x) * (1/scale)))``,
     ``1/scale`` computed once in float32 (vLLM multiplies; it does not divide). Units: stored =
     real / scale. NaN -> +448 (``fminf`` clamp); the sign of zero is kept (-0.0 -> 0x80).
@@ -280,24 +261,19 @@ def static_scaled_fp8_quant(x, scale, out=None, *, stream=None):
     Returns ``out``. Mutates ``out``. Raises as :func:`silu_and_mul`. Matches vLLM
     ``torch.ops._C.static_scaled_fp8_quant(result, input, scale)`` (per-tensor ``group_shape``).
     """
-    if ad.is_compiling():
-        return static_scaled_fp8_quant.traced(x=x, scale=scale, out=out, stream=stream)
-    k = L.key("static_scaled_fp8_quant", (), x, scale, out) if stream is None else None
-    if k is not None and (hit := L.replay(k)) is not None:
-        return out if out is not None else hit[0]
     op = "loomnb.static_scaled_fp8_quant"
     xa = x_input(op, x)
     sa = C.one_element(op, "scale", scale, xa)
     oa = fp8_output(op, "out", out, xa, xa.shape)
     C.no_overlap(op, {"out": oa}, {"x": xa, "scale": sa})
     lead, ov, xv = rows_of(op, oa, xa, xa.shape[-1], False)
-    _chunked(op, ActSpec(xa.kind, "none", "static"), lead, ov, xv, xa.shape[-1], stream, k,
+    _chunked(op, ActSpec(xa.kind, "none", "static"), lead, ov, xv, xa.shape[-1], stream, launch_key,
              scale=sa)
     return oa.obj
 
 
 @torch_op("Tensor x, Tensor scale", outputs=("out",), fake=fake_fp8_half)
-def silu_and_mul_quant(x, scale, out=None, *, stream=None):
+def silu_and_mul_quant(x, scale, out=None, *, stream=None, launch_key=None):
     """:func:`silu_and_mul` then :func:`static_scaled_fp8_quant`, in one pass:
     ``out = e4m3(clamp(f(r(f(r(silu(g))) * f(u))) * (1/scale)))``. Bit-identical to the two ops.
 
@@ -310,24 +286,19 @@ def silu_and_mul_quant(x, scale, out=None, *, stream=None):
     Returns ``out``. Mutates ``out``. NaN -> +448. Raises as :func:`silu_and_mul`. Matches vLLM
     ``torch.ops._C.silu_and_mul_quant(result, input, scale)`` (vLLM takes fp16/bf16 only).
     """
-    if ad.is_compiling():
-        return silu_and_mul_quant.traced(x=x, scale=scale, out=out, stream=stream)
-    k = L.key("silu_and_mul_quant", (), x, scale, out) if stream is None else None
-    if k is not None and (hit := L.replay(k)) is not None:
-        return out if out is not None else hit[0]
     op = "loomnb.silu_and_mul_quant"
     xa, d = gated_input(op, x)
     sa = C.one_element(op, "scale", scale, xa)
     oa = fp8_output(op, "out", out, xa, xa.shape[:-1] + (d,))
     C.no_overlap(op, {"out": oa}, {"x": xa, "scale": sa})
     lead, ov, xv = rows_of(op, oa, xa, d, True)
-    _chunked(op, ActSpec(xa.kind, "silu", "static"), lead, ov, xv, d, stream, k, scale=sa)
+    _chunked(op, ActSpec(xa.kind, "silu", "static"), lead, ov, xv, d, stream, launch_key, scale=sa)
     return oa.obj
 
 
 # ---------------------------------------------------------------- dynamic per-tensor
 @torch_op("Tensor x", outputs=("out", "scale"), fake=fake_dynamic_tensor)
-def dynamic_scaled_fp8_quant(x, out=None, *, scale=None, stream=None):
+def dynamic_scaled_fp8_quant(x, out=None, *, scale=None, stream=None, launch_key=None):
     """Dynamic per-tensor FP8 E4M3 quantisation: ``scale = max|x| / 448`` over the whole tensor
     (NaN ignored; no floor: an all-zero ``x`` gives ``scale = 0`` and codes +448, which
     dequantise to 0), then ``out = e4m3(clamp(f(x) * (1/scale)))`` as
@@ -352,12 +323,6 @@ def dynamic_scaled_fp8_quant(x, out=None, *, scale=None, stream=None):
     ``torch.ops._C.dynamic_scaled_fp8_quant(result, input, scale)`` (whose caller zeroes
     ``scale`` first: loomnb needs no such preparation).
     """
-    if ad.is_compiling():
-        return dynamic_scaled_fp8_quant.traced(x=x, out=out, scale=scale, stream=stream)
-    k = L.key("dynamic_scaled_fp8_quant", (), x, out, scale) if stream is None else None
-    if k is not None and (hit := L.replay(k)) is not None:
-        q, s, _ = L.fill(hit, out, scale, None)  # allocated in order: out, scale, partials
-        return q, s
     op = "loomnb.dynamic_scaled_fp8_quant"
     xa = x_input(op, x)
     d = xa.shape[-1]
@@ -376,25 +341,25 @@ def dynamic_scaled_fp8_quant(x, out=None, *, scale=None, stream=None):
     parts = 1 + (blocks > 1) + quant
     spec = ActSpec(xa.kind, "none", "amax", layout=layout, upt=AMAX_UPT if vec else 1)
     launch_act(op, spec, lead, ov, xv, d, scale=sa, partials=pa, grid=grid1, threads=t1,
-            stream=stream, key=k, part=(0, parts))
+            stream=stream, key=launch_key, part=(0, parts))
     if blocks > 1:  # one block (of a fixed size) folds the partials, a float32 row, into the scale
         params = [L.absent("uint8", 3), L.array(pa.view((1, 1, blocks), (0, 0, 1))),
                   L.absent("float32", 2), L.array(sa), L.absent("float32", 1), L.f32(0.0),
                   L.f32(0.0), L.i64(blocks)]
         L.launch(act_quant_kernel, ActSpec("f32", "none", "amax", layout="scalar", upt=1),
-                 (1, 1), AMAX_THREADS, params, like=xv, stream=stream, key=k,
+                 (1, 1), AMAX_THREADS, params, like=xv, stream=stream, key=launch_key,
                  part=(1, parts))
     if quant:
         spec = ActSpec(xa.kind, "none", "tensor", layout=layout, upt=chunk_upt(rows, units))
         t2, chunks = chunk_config(rows, units, forced, spec.upt)
         launch_act(op, spec, lead, ov, xv, d, scale=sa,
-                grid=rows * chunks, threads=t2, stream=stream, key=k, part=(parts - 1, parts))
+                grid=rows * chunks, threads=t2, stream=stream, key=launch_key, part=(parts - 1, parts))
     return oa.obj, sa.obj
 
 
 # ---------------------------------------------------------------- dynamic per-token
 @torch_op("Tensor x, Tensor? scale_ub=None", outputs=("out", "scales"), fake=fake_per_token)
-def dynamic_per_token_scaled_fp8_quant(x, scale_ub=None, out=None, *, scales=None, stream=None):
+def dynamic_per_token_scaled_fp8_quant(x, scale_ub=None, out=None, *, scales=None, stream=None, launch_key=None):
     """Dynamic per-token FP8 E4M3 quantisation: per row ``amax = max|f(x)|`` (NaN ignored),
     ``scale = max(min(amax, scale_ub) / 448, 1/(448*512))`` (``scale_ub`` clips the amax,
     despite its name; ``fminf``: a NaN bound is ignored), ``out = e4m3(clamp(f(x) / scale))``
@@ -413,13 +378,6 @@ def dynamic_per_token_scaled_fp8_quant(x, scale_ub=None, out=None, *, scales=Non
     scale_ub)`` (its current revision, which divides; vLLM's amax is a float32 max, exact in any
     order, so the scales are bit-identical too).
     """
-    if ad.is_compiling():
-        return dynamic_per_token_scaled_fp8_quant.traced(x=x, scale_ub=scale_ub, out=out,
-                                                         scales=scales, stream=stream)
-    k = (L.key("dynamic_per_token_scaled_fp8_quant", (), x, scale_ub, out, scales)
-         if stream is None else None)
-    if k is not None and (hit := L.replay(k)) is not None:
-        return L.fill(hit, out, scales)
     op = "loomnb.dynamic_per_token_scaled_fp8_quant"
     xa = x_input(op, x)
     d = xa.shape[-1]
@@ -437,7 +395,7 @@ def dynamic_per_token_scaled_fp8_quant(x, scale_ub=None, out=None, *, scales=Non
     spec = ActSpec(xa.kind, "none", "token", scale_ub=ua is not None,
                    layout="vector" if vec else "scalar", upt=upt)
     launch_act(op, spec, lead, ov, xv, d, scales=L.array(sa), scale=ua, grid=rows,
-            threads=threads, stream=stream, key=k)
+            threads=threads, stream=stream, key=launch_key)
     return oa.obj, sa.obj
 
 
@@ -454,17 +412,12 @@ def _group_quant(op, act, numerics, xa, d, group_size, eps, column_major, tma, u
     return qa.obj, s_obj
 
 
-def _group_key(tag, group_size, eps, column_major, tma, ue8m0, numerics, x, out_q, out_s):
-    opt = f"{group_size!r}|{column_major!r}|{tma!r}|{ue8m0!r}|{numerics!r}"
-    return L.key(tag, (eps, opt), x, out_q, out_s)
-
-
 @torch_op("Tensor x, int group_size, float eps=1e-10, bool column_major_scales=False, "
           "bool tma_aligned_scales=False, bool use_ue8m0=False", outputs=("out_q", "out_s"),
           fake=fake_group)
 def per_token_group_quant_fp8(x, group_size, eps=1e-10, column_major_scales=False,
                               tma_aligned_scales=False, use_ue8m0=False, out_q=None, out_s=None,
-                              *, stream=None):
+                              *, stream=None, launch_key=None):
     """Per-token-group FP8 E4M3 quantisation (DeepSeek-style 1 x ``group_size`` blocks).
 
     Per group of ``group_size`` consecutive elements of a row: ``a = fmaxf(eps, max|f(x)|)``
@@ -496,19 +449,10 @@ def per_token_group_quant_fp8(x, group_size, eps=1e-10, column_major_scales=Fals
     its CUDA path); vLLM's Triton fallback (non-contiguous input) multiplies by ``1/448`` and
     can differ in the last bit of a scale. Also exported as ``per_token_group_fp8_quant``.
     """
-    if ad.is_compiling():
-        return per_token_group_quant_fp8.traced(
-            x=x, group_size=group_size, eps=eps, column_major_scales=column_major_scales,
-            tma_aligned_scales=tma_aligned_scales, use_ue8m0=use_ue8m0, out_q=out_q, out_s=out_s,
-            stream=stream)
-    k = (_group_key("ptgq", group_size, eps, column_major_scales, tma_aligned_scales, use_ue8m0,
-                    "unfused", x, out_q, out_s) if stream is None else None)
-    if k is not None and (hit := L.replay(k)) is not None:
-        return L.fill(hit, out_q, out_s)
     op = "loomnb.per_token_group_quant_fp8"
     xa = x_input(op, x)
     return _group_quant(op, "none", "unfused", xa, xa.shape[-1], group_size, eps,
-                        column_major_scales, tma_aligned_scales, use_ue8m0, out_q, out_s, stream, k)
+                        column_major_scales, tma_aligned_scales, use_ue8m0, out_q, out_s, stream, launch_key)
 
 
 per_token_group_fp8_quant = per_token_group_quant_fp8
@@ -519,7 +463,7 @@ per_token_group_fp8_quant = per_token_group_quant_fp8
           outputs=("out_q", "out_s"), fake=fake_group_fused)
 def silu_and_mul_per_token_group_quant_fp8(x, group_size, eps=1e-10, column_major_scales=False,
                                            tma_aligned_scales=False, use_ue8m0=False, out_q=None,
-                                           out_s=None, *, numerics="unfused", stream=None):
+                                           out_s=None, *, numerics="unfused", stream=None, launch_key=None):
     """:func:`silu_and_mul` then :func:`per_token_group_quant_fp8`, in one pass over ``x``
     (``[..., 2*d]`` in, ``[..., d]`` FP8 and its scales out; the activation never goes to memory).
 
@@ -534,15 +478,6 @@ def silu_and_mul_per_token_group_quant_fp8(x, group_size, eps=1e-10, column_majo
     ``per_token_group_fp8_quant`` (default) or ``torch.ops._C.silu_and_mul_per_block_quant``
     (``"per_block"``, without its ``scale_ub``).
     """
-    if ad.is_compiling():
-        return silu_and_mul_per_token_group_quant_fp8.traced(
-            x=x, group_size=group_size, eps=eps, column_major_scales=column_major_scales,
-            tma_aligned_scales=tma_aligned_scales, use_ue8m0=use_ue8m0, out_q=out_q, out_s=out_s,
-            numerics=numerics, stream=stream)
-    k = (_group_key("samptgq", group_size, eps, column_major_scales, tma_aligned_scales,
-                    use_ue8m0, numerics, x, out_q, out_s) if stream is None else None)
-    if k is not None and (hit := L.replay(k)) is not None:
-        return L.fill(hit, out_q, out_s)
     op = "loomnb.silu_and_mul_per_token_group_quant_fp8"
     xa, d = gated_input(op, x)
     C.choice(op, "numerics", numerics, NUMERICS)
@@ -550,12 +485,12 @@ def silu_and_mul_per_token_group_quant_fp8(x, group_size, eps=1e-10, column_majo
         C.fail_value(op, "use_ue8m0", "False with numerics='per_block' (vLLM's "
                      "silu_and_mul_per_block_quant has no UE8M0 scales)", "True")
     return _group_quant(op, "silu", numerics, xa, d, group_size, eps, column_major_scales,
-                        tma_aligned_scales, use_ue8m0, out_q, out_s, stream, k)
+                        tma_aligned_scales, use_ue8m0, out_q, out_s, stream, launch_key)
 
 
 # ---------------------------------------------------------------- dequantisation
 @torch_op("Tensor q, Tensor scale, ScalarType dtype", outputs=("out",), fake=fake_dequant)
-def scaled_fp8_dequant(q, scale, dtype, *, out=None, stream=None):
+def scaled_fp8_dequant(q, scale, dtype, *, out=None, stream=None, launch_key=None):
     """FP8 E4M3 dequantisation: ``out = r(f(q) * scale)`` rounded once to ``dtype``, for every
     scale layout the quantisers produce: one element (per tensor), ``[..., 1]`` (per token) or
     ``[..., G]`` with ``G`` dividing ``d`` (per group of ``d/G``; any strides, so row-major,
@@ -572,11 +507,6 @@ def scaled_fp8_dequant(q, scale, dtype, *, out=None, stream=None):
     Returns ``out``. Raises as :func:`silu_and_mul`, and ``LoomnbValueError`` for a scale of
     another shape. For tests and users (vLLM has no such op; its GEMMs take the scales).
     """
-    if ad.is_compiling():
-        return scaled_fp8_dequant.traced(q=q, scale=scale, dtype=dtype, out=out, stream=stream)
-    k = L.key("scaled_fp8_dequant", (str(dtype),), q, scale, out) if stream is None else None
-    if k is not None and (hit := L.replay(k)) is not None:
-        return out if out is not None else hit[0]
     op = "loomnb.scaled_fp8_dequant"
     qa, kind, sa, sv, groups = dequant_inputs(op, q, scale, dtype)
     d, rows = qa.shape[-1], math.prod(qa.shape[:-1])
@@ -590,5 +520,5 @@ def scaled_fp8_dequant(q, scale, dtype, *, out=None, stream=None):
     params = [L.array(r3(ov, lead)), L.array(r3(qv, lead)), L.array(sv),
               L.i64(d // groups), L.i64(d)]
     L.launch(dequant_kernel, DequantSpec(kind), (rows, chunks), threads, params, like=qa,
-             stream=stream, key=k)
+             stream=stream, key=launch_key)
     return oa.obj

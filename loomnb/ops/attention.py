@@ -178,21 +178,16 @@ def _fake_decode(query, *_, **__):
             query.new_empty((query.shape[1], query.shape[0]), dtype=ad._torch.float32))
 
 
-def _eager_with_lse(**kw):
-    """The registered op: always both outputs."""
-    return paged_decode_attention(**kw, return_lse=True)
-
-
 # ---------------------------------------------------------------------------------------------
 @torch_op("Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
           "Tensor seq_lens, float scale, *, float? softcap=None, int? sliding_window=None, "
           "str kv_cache_dtype='auto', Tensor? k_scale=None, Tensor? v_scale=None, "
           "int? max_seq_len=None, bool check_indices=False", outputs=("out", "lse"),
-          fake=_fake_decode, eager=_eager_with_lse)
+          optional={"lse": "return_lse"}, fake=_fake_decode)
 def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, *,
                            softcap=None, sliding_window=None, kv_cache_dtype="auto", k_scale=None,
                            v_scale=None, out=None, return_lse=False, max_seq_len=None, lse=None,
-                           check_indices=False, stream=None):
+                           check_indices=False, stream=None, launch_key=None):
     """Decode attention of one query token per sequence over its paged KV cache (MQA/GQA).
 
     For sequence ``s`` (``L = seq_lens[s]`` tokens, the new one included) and query head ``h``
@@ -265,23 +260,8 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens
     rounds keys, values and probabilities to the query dtype and adds 1e-6 to the sum); the
     split count (hence the last float32 bits) depends on the batch shape, as FlashAttention's.
     """
-    if ad.is_compiling():
-        o, l_ = paged_decode_attention.traced(
-            query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-            seq_lens=seq_lens, scale=scale, softcap=softcap, sliding_window=sliding_window,
-            kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
-            max_seq_len=max_seq_len, check_indices=check_indices, out=out, lse=lse, stream=stream)
-        return (o, l_) if return_lse is True or lse is not None else o
-    want_lse = return_lse is True or lse is not None
-    tag = ("paged_decode_attention+lse" if want_lse else "paged_decode_attention") \
-        if type(return_lse) is bool else None
-    k = (L.key(tag, (scale, softcap, sliding_window, kv_cache_dtype, max_seq_len), query,
-               key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale, out, lse)
-         if stream is None and tag is not None and check_indices is False else None)
-    if k is not None and (hit := L.replay(k)) is not None:
-        o, l_ = L.fill(hit, out, lse if want_lse else 0)
-        return (o, l_) if want_lse else o
     op = "loomnb.paged_decode_attention"
+    want_lse = return_lse is True or lse is not None
     a = check_decode(op, query, key_cache, value_cache, block_tables, seq_lens, scale, softcap,
                       sliding_window, kv_cache_dtype, k_scale, v_scale, return_lse, max_seq_len,
                       check_indices)
@@ -298,7 +278,8 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens
         check_decode_indices(op, a, sliding_window, stream)
     if S == 0 or Hq == 0:
         return (oa.obj, la.obj) if want_lse else oa.obj
-    _launch_decode(op, a, oa, la, float(scale), softcap, sliding_window, max_seq_len, stream, k)
+    _launch_decode(op, a, oa, la, float(scale), softcap, sliding_window, max_seq_len, stream,
+                   launch_key)
     return (oa.obj, la.obj) if want_lse else oa.obj
 
 
@@ -370,7 +351,7 @@ def _launch_decode(op, a, oa, la, scale, softcap, sliding_window, max_seq_len, s
 @torch_op("Tensor(a!) output, Tensor prefix_output, Tensor prefix_lse, Tensor suffix_output, "
           "Tensor suffix_lse, Tensor(b!)? output_lse=None", returns=("output",))
 def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse,
-                      output_lse=None, *, stream=None):
+                      output_lse=None, *, stream=None, launch_key=None):
     """Merge two attention results over disjoint key sets by their LSEs (vLLM 0.24's CUDA op).
 
     Per token ``n`` and head ``h``, with ``a = prefix_lse[h, n]``, ``b = suffix_lse[h, n]``
@@ -398,14 +379,6 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
     suffix_output, suffix_lse)`` (since PR #28181; its Triton fallback still gives NaN for two
     empty partitions); unlike it, any strides and head sizes are accepted.
     """
-    if ad.is_compiling():
-        return merge_attn_states.traced(output=output, prefix_output=prefix_output,
-                                        prefix_lse=prefix_lse, suffix_output=suffix_output,
-                                        suffix_lse=suffix_lse, output_lse=output_lse, stream=stream)
-    k = (L.key("merge_attn_states", (), output, prefix_output, prefix_lse, suffix_output,
-               suffix_lse, output_lse) if stream is None else None)
-    if k is not None and L.replay(k) is not None:
-        return output
     op = "loomnb.merge_attn_states"
     o, ins = check_states(op, output, prefix_output, prefix_lse, suffix_output, suffix_lse,
                            output_lse)
@@ -422,5 +395,5 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
               L.array(ins["suffix_output"]), L.array(ins["suffix_lse"]),
               L.i64(N), L.i64(H), L.i64(D), L.i64(1 if ol is not None else 0)]
     L.launch(merge_states_kernel, MergeSpec(o.kind), -(-(N * H) // rows_per_block), threads,
-             params, like=o, stream=stream, key=k)
+             params, like=o, stream=stream, key=launch_key)
     return output

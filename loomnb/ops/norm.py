@@ -155,7 +155,7 @@ def _fake_dynamic(x, *_, **__):
 # ---------------------------------------------------------------------------------------------
 @torch_op("Tensor x, Tensor weight, float eps, *, str rounding='twice'", outputs=("out",),
           fake=_fake_like)
-def rms_norm(x, weight, eps, *, out=None, rounding="twice", stream=None):
+def rms_norm(x, weight, eps, *, out=None, rounding="twice", stream=None, launch_key=None):
     """RMSNorm of each row: ``y = r(f(r(f(x) * inv)) * f(weight))`` (``rounding="twice"``) or
     ``y = r(f(x) * inv * f(weight))`` (``rounding="once"``).
 
@@ -188,24 +188,20 @@ def rms_norm(x, weight, eps, *, out=None, rounding="twice", stream=None):
     bits depend on the block size and summation order; loomnb's float64 evaluation is independent
     of both (batch-invariant) and bit-identical to ``loomnb.oracle.rms_norm``.
     """
-    if ad.is_compiling():
-        return rms_norm.traced(x=x, weight=weight, eps=eps, out=out, rounding=rounding, stream=stream)
-    k = L.key3("rms_norm", eps, rounding, x, weight, out) if stream is None else None
-    if k is not None and (hit := L.replay(k)) is not None:
-        return out if out is not None else hit[0]
     op = "loomnb.rms_norm"
     xa, wa, eps = _inputs(op, x, weight, eps)
     C.choice(op, "rounding", rounding, ROUNDINGS)
     oa = C.output(op, "out", out, like=xa, kind=xa.kind, shape=xa.shape)
     C.no_overlap(op, {"out": oa}, {"x": xa, "weight": wa}, in_place={("out", "x")})
     _launch_norm(op, NormSpec(xa.kind, rounding=rounding), oa, xa, None, wa, None, None, eps,
-                 stream, k)
+                 stream, launch_key)
     return oa.obj
 
 
 @torch_op("Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps, *, str rounding='twice'",
           returns=("x", "residual"))
-def fused_add_rms_norm(x, residual, weight, eps, *, rounding="twice", stream=None):
+def fused_add_rms_norm(x, residual, weight, eps, *, rounding="twice", stream=None,
+                       launch_key=None):
     """Residual add then RMSNorm, in place: ``residual <- z = r(f(x) + f(residual))``,
     ``x <- r(f(r(f(z) * inv)) * f(weight))`` (``"once"``: ``r(f(z) * inv * f(weight))``) with
     ``inv`` computed from the rounded sum ``z``, as :func:`rms_norm`.
@@ -226,12 +222,6 @@ def fused_add_rms_norm(x, residual, weight, eps, *, rounding="twice", stream=Non
     Raises as :func:`rms_norm`; also when ``x`` and ``residual`` overlap. Matches vLLM
     ``torch.ops._C.fused_add_rms_norm(input, residual, weight, epsilon)``.
     """
-    if ad.is_compiling():
-        return fused_add_rms_norm.traced(x=x, residual=residual, weight=weight, eps=eps,
-                                         rounding=rounding, stream=stream)
-    k = L.key3("fused_add_rms_norm", eps, rounding, x, residual, weight) if stream is None else None
-    if k is not None and L.replay(k) is not None:
-        return x, residual
     op = "loomnb.fused_add_rms_norm"
     xa, wa, eps = _inputs(op, x, weight, eps)
     C.choice(op, "rounding", rounding, ROUNDINGS)
@@ -239,14 +229,14 @@ def fused_add_rms_norm(x, residual, weight, eps, *, rounding="twice", stream=Non
     C.writable(op, {"x": xa, "residual": ra})
     C.no_overlap(op, {"residual": ra, "x": xa}, {"weight": wa})
     _launch_norm(op, NormSpec(xa.kind, residual="add", rounding=rounding), xa, xa, ra, wa, None,
-                 None, eps, stream, k)
+                 None, eps, stream, launch_key)
     return x, residual
 
 
 @torch_op("Tensor x, Tensor weight, Tensor scale, float eps, *, bool check_scale=False, "
           "str rounding='once'", outputs=("out",), fake=_fake_fp8)
 def rms_norm_static_fp8_quant(x, weight, scale, eps, *, out=None, check_scale=False,
-                              rounding="once", stream=None):
+                              rounding="once", stream=None, launch_key=None):
     """RMSNorm then static FP8 E4M3 quantisation: ``out = e4m3(clamp(n * (1/scale), +-448))``.
 
     ``rounding="once"`` (default, vLLM 0.24's compiled kernel): ``n = f(x) * inv * f(weight)``
@@ -276,21 +266,13 @@ def rms_norm_static_fp8_quant(x, weight, scale, eps, *, out=None, check_scale=Fa
     zeros (signed). Raises as :func:`rms_norm`.
     Matches vLLM ``torch.ops._C.rms_norm_static_fp8_quant(out, input, weight, scale, epsilon)``.
     """
-    if ad.is_compiling():
-        return rms_norm_static_fp8_quant.traced(x=x, weight=weight, scale=scale, eps=eps, out=out,
-                                                check_scale=check_scale, rounding=rounding,
-                                                stream=stream)
-    k = (L.key("rms_norm_static_fp8_quant", (eps, rounding), x, weight, scale, out)
-         if stream is None and check_scale is False else None)
-    if k is not None and (hit := L.replay(k)) is not None:
-        return out if out is not None else hit[0]
     op = "loomnb.rms_norm_static_fp8_quant"
     xa, wa, eps, sa = _static_inputs(op, x, weight, eps, scale, check_scale, rounding)
     oa = C.output(op, "out", out, like=xa, kind=("fp8", "u8") if out is not None else "fp8",
                   shape=xa.shape)
     C.no_overlap(op, {"out": oa}, {"x": xa, "weight": wa, "scale": sa})
     _launch_norm(op, NormSpec(xa.kind, quant="static", rounding=rounding), oa, xa, None, wa, None,
-                 sa, eps, stream, k)
+                 sa, eps, stream, launch_key)
     return oa.obj
 
 
@@ -298,7 +280,8 @@ def rms_norm_static_fp8_quant(x, weight, scale, eps, *, out=None, check_scale=Fa
           "bool check_scale=False, str rounding='once'", outputs=("out",),
           returns=("out", "residual"), fake=_fake_fp8)
 def fused_add_rms_norm_static_fp8_quant(x, residual, weight, scale, eps, *, out=None,
-                                        check_scale=False, rounding="once", stream=None):
+                                        check_scale=False, rounding="once", stream=None,
+                                        launch_key=None):
     """Residual add, RMSNorm, static FP8: ``residual <- z = r(x + residual)``, ``out =
     e4m3(clamp(n * (1/scale)))`` with ``n`` of the rounded sum ``z`` as in
     :func:`rms_norm_static_fp8_quant` (``rounding="once"``, default: ``f(z) * inv * f(weight)``
@@ -309,15 +292,6 @@ def fused_add_rms_norm_static_fp8_quant(x, residual, weight, scale, eps, *, out=
     Matches vLLM ``torch.ops._C.fused_add_rms_norm_static_fp8_quant(out, input, residual,
     weight, scale, epsilon)``.
     """
-    if ad.is_compiling():
-        return fused_add_rms_norm_static_fp8_quant.traced(
-            x=x, residual=residual, weight=weight, scale=scale, eps=eps, out=out,
-            check_scale=check_scale, rounding=rounding, stream=stream)
-    k = (L.key("fused_add_rms_norm_static_fp8_quant", (eps, rounding), x, residual, weight, scale,
-               out)
-         if stream is None and check_scale is False else None)
-    if k is not None and (hit := L.replay(k)) is not None:
-        return (out if out is not None else hit[0]), residual
     op = "loomnb.fused_add_rms_norm_static_fp8_quant"
     xa, wa, eps, sa = _static_inputs(op, x, weight, eps, scale, check_scale, rounding)
     ra = _residual(op, xa, residual)
@@ -326,14 +300,15 @@ def fused_add_rms_norm_static_fp8_quant(x, residual, weight, scale, eps, *, out=
                   shape=xa.shape)
     C.no_overlap(op, {"out": oa, "residual": ra}, {"x": xa, "weight": wa, "scale": sa})
     _launch_norm(op, NormSpec(xa.kind, residual="add", quant="static", rounding=rounding), oa, xa,
-                 ra, wa, None, sa, eps, stream, k)
+                 ra, wa, None, sa, eps, stream, launch_key)
     return oa.obj, residual
 
 
 @torch_op("Tensor x, Tensor weight, float eps, Tensor? scale_ub=None, Tensor(a!)? residual=None, "
           "*, bool check_scale=False", outputs=("out", "scales"), fake=_fake_dynamic)
 def rms_norm_dynamic_per_token_quant(x, weight, eps, scale_ub=None, residual=None, *,
-                                     out=None, scales=None, check_scale=False, stream=None):
+                                     out=None, scales=None, check_scale=False, stream=None,
+                                     launch_key=None):
     """RMSNorm with a dynamic per-token FP8 E4M3 scale.
 
     Per row: ``s = f(x)`` (``+ f(residual)``, kept in float32), ``inv = r32(1 / sqrt(mean(s^2)
@@ -361,14 +336,6 @@ def rms_norm_dynamic_per_token_quant(x, weight, eps, scale_ub=None, residual=Non
     ``ops.rms_norm_dynamic_per_token_quant(input, weight, epsilon, quant_dtype=float8_e4m3fn,
     scale_ub, residual)`` (the int8 output is not supported).
     """
-    if ad.is_compiling():
-        return rms_norm_dynamic_per_token_quant.traced(
-            x=x, weight=weight, eps=eps, scale_ub=scale_ub, residual=residual, out=out,
-            scales=scales, check_scale=check_scale, stream=stream)
-    k = (L.key("rms_norm_dynamic_per_token_quant", (eps,), x, weight, scale_ub, residual, out,
-               scales) if stream is None and check_scale is False else None)
-    if k is not None and (hit := L.replay(k)) is not None:
-        return L.fill(hit, out, scales)
     op = "loomnb.rms_norm_dynamic_per_token_quant"
     xa, wa, eps = _inputs(op, x, weight, eps)
     ua = C.one_element(op, "scale_ub", scale_ub, xa) if scale_ub is not None else None
@@ -388,5 +355,5 @@ def rms_norm_dynamic_per_token_quant(x, weight, eps, scale_ub=None, residual=Non
                  {"x": xa, "weight": wa, "scale_ub": ua})
     spec = NormSpec(xa.kind, residual="add_fp32" if ra is not None else "none", quant="dynamic",
                     scale_ub=ua is not None)
-    _launch_norm(op, spec, oa, xa, ra, wa, sa, ua, eps, stream, k)
+    _launch_norm(op, spec, oa, xa, ra, wa, sa, ua, eps, stream, launch_key)
     return oa.obj, sa.obj

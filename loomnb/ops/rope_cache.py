@@ -113,19 +113,13 @@ def _launch(op, spec, rope, cache, stream, key, out=(None, None)):
     L.launch(rope_cache_kernel, spec, n_tokens, threads, params, like=like, stream=stream, key=key)
 
 
-def _rope_key(tag, tensors, head_size, is_neox, off, inverse, *rest):
-    if type(is_neox) is not bool or type(inverse) is not bool:
-        return None
-    return L.key(tag, (head_size, "neox" if is_neox else "gptj", off,
-                       "inv" if inverse else "fwd", *rest), *tensors)
-
-
 # ------------------------------------------------------------------------------ the ops
 @torch_op("Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, "
           "Tensor cos_sin_cache, bool is_neox, int rope_dim_offset=0, bool inverse=False, *, "
           "str fma='vllm', bool check_indices=False", returns=("query", "key"))
 def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, rope_dim_offset=0,
-                     inverse=False, *, fma="vllm", check_indices=False, stream=None):
+                     inverse=False, *, fma="vllm", check_indices=False, stream=None,
+                     launch_key=None):
     """Rotary position embedding of ``query`` and ``key``, in place.
 
     Per token ``t`` (position ``p = positions[t]``), head, and pair ``i < e = rot_dim / 2``
@@ -175,17 +169,6 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, r
     ``num_heads % num_kv_heads == 0``; loomnb's kernel rotates query and key heads as separate
     items and never uses the ratio).
     """
-    if ad.is_compiling():
-        return rotary_embedding.traced(positions=positions, query=query, key=key,
-                                       head_size=head_size, cos_sin_cache=cos_sin_cache,
-                                       is_neox=is_neox, rope_dim_offset=rope_dim_offset,
-                                       inverse=inverse, fma=fma, check_indices=check_indices,
-                                       stream=stream)
-    k = (_rope_key("rotary_embedding", (positions, query, key, cos_sin_cache), head_size,
-                   is_neox, rope_dim_offset, inverse, fma)
-         if stream is None and check_indices is False else None)
-    if k is not None and L.replay(k) is not None:
-        return query, key
     op = "loomnb.rotary_embedding"
     r = rope_inputs(op, positions, query, key, head_size, cos_sin_cache, is_neox,
                     rope_dim_offset, inverse, fma)
@@ -194,7 +177,7 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, r
                  interleaved=True)
     _check_indices(op, check_indices, r, stream=stream)
     spec = RopeCacheSpec(r.q.kind, r.cs.kind, True, is_neox, inverse, FORMS[(fma, inverse)])
-    _launch(op, spec, r, None, stream, k)
+    _launch(op, spec, r, None, stream, launch_key)
     return query, key
 
 
@@ -207,7 +190,7 @@ def _fake_rope_out(positions, query, key, head_size, cos_sin_cache, is_neox=True
           fake=_fake_rope_out)
 def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cache, is_neox=True,
                                   *, query_out=None, key_out=None, check_indices=False,
-                                  stream=None):
+                                  stream=None, launch_key=None):
     """Rotary position embedding of ``query`` and ``key`` into new arrays (out of place).
 
     ``query_out``/``key_out`` are ``query``/``key`` rotated exactly as :func:`rotary_embedding`
@@ -246,16 +229,6 @@ def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cach
     ``fma="vllm"``), not FlashInfer's; the cos/sin cache may be of the query's dtype as well as
     float32; ``is_neox`` must be a bool.
     """
-    if ad.is_compiling():
-        return apply_rope_with_cos_sin_cache.traced(
-            positions=positions, query=query, key=key, head_size=head_size,
-            cos_sin_cache=cos_sin_cache, is_neox=is_neox, query_out=query_out, key_out=key_out,
-            check_indices=check_indices, stream=stream)
-    k = (_rope_key("apply_rope_with_cos_sin_cache", (positions, query, key, cos_sin_cache,
-                                                     query_out, key_out), head_size, is_neox, 0,
-                   False) if stream is None and check_indices is False else None)
-    if k is not None and (hit := L.replay(k)) is not None:
-        return L.fill(hit, query_out, key_out)
     op = "loomnb.apply_rope_with_cos_sin_cache"
     if key is None:
         fail_type(op, "key", "an array (the out-of-place form rotates a query and a key)", "None")
@@ -273,16 +246,12 @@ def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cach
                  interleaved=True)
     _check_indices(op, check_indices, r, stream=stream)
     spec = RopeCacheSpec(q.kind, r.cs.kind, True, is_neox, False, FORMS[("vllm", False)], out=True)
-    _launch(op, spec, r, None, stream, k, out=(qov, kov))
+    _launch(op, spec, r, None, stream, launch_key, out=(qov, kov))
     return qo.obj, ko.obj
 
 
-def _cache_op(op, tag, legacy, key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-              k_scale, v_scale, check_indices, stream):
-    k = (L.key(tag, (kv_cache_dtype,), key, value, key_cache, value_cache, slot_mapping, k_scale,
-               v_scale) if stream is None and check_indices is False else None)
-    if k is not None and L.replay(k) is not None:
-        return key_cache, value_cache
+def _cache_op(op, legacy, key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+              k_scale, v_scale, check_indices, stream, launch_key):
     c = kv_inputs(op, key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale,
                   v_scale, legacy=legacy)
     C.no_overlap(op, {"key_cache": c.kcv, "value_cache": c.vcv},
@@ -291,7 +260,7 @@ def _cache_op(op, tag, legacy, key, value, key_cache, value_cache, slot_mapping,
     _check_indices(op, check_indices, cache=c, stream=stream)
     spec = RopeCacheSpec(c.k.kind, c.k.kind, False, True, False, "nn",
                          "legacy" if legacy else "flash", c.kv)
-    _launch(op, spec, None, c, stream, k)
+    _launch(op, spec, None, c, stream, launch_key)
     return key_cache, value_cache
 
 
@@ -299,7 +268,8 @@ def _cache_op(op, tag, legacy, key, value, key_cache, value_cache, slot_mapping,
           "Tensor slot_mapping, str kv_cache_dtype, Tensor? k_scale, Tensor? v_scale, *, "
           "bool check_indices=False", returns=("key_cache", "value_cache"))
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                            k_scale, v_scale, *, check_indices=False, stream=None):
+                            k_scale, v_scale, *, check_indices=False, stream=None,
+                            launch_key=None):
     """Write each token's key and value to its cache slot (vLLM's flash layouts).
 
     For ``t < num_tokens = slot_mapping.shape[0]`` with ``slot = slot_mapping[t] >= 0``,
@@ -349,21 +319,16 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)``; loomnb also accepts a
     per-head ``[num_kv_heads]`` scale.
     """
-    if ad.is_compiling():
-        return reshape_and_cache_flash.traced(
-            key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-            slot_mapping=slot_mapping, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
-            v_scale=v_scale, check_indices=check_indices, stream=stream)
-    return _cache_op("loomnb.reshape_and_cache_flash", "reshape_and_cache_flash", False, key,
-                     value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale,
-                     v_scale, check_indices, stream)
+    return _cache_op("loomnb.reshape_and_cache_flash", False, key, value, key_cache, value_cache,
+                     slot_mapping, kv_cache_dtype, k_scale, v_scale, check_indices, stream,
+                     launch_key)
 
 
 @torch_op("Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
           "Tensor slot_mapping, str kv_cache_dtype, Tensor? k_scale, Tensor? v_scale, *, "
           "bool check_indices=False", returns=("key_cache", "value_cache"))
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale,
-                      v_scale, *, check_indices=False, stream=None):
+                      v_scale, *, check_indices=False, stream=None, launch_key=None):
     """:func:`reshape_and_cache_flash` for the legacy paged-attention layout: ``key_cache
     [num_blocks, num_kv_heads, head_size // x, block_size, x]`` (``x = 16 // cache element
     size``: 8 for bf16/fp16, 16 for FP8, 4 for fp32) and ``value_cache [num_blocks,
@@ -376,14 +341,9 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
     conversion, returns, mutation and errors as :func:`reshape_and_cache_flash`.
     Matches vLLM ``torch.ops._C_cache_ops.reshape_and_cache`` (which assumes contiguous caches).
     """
-    if ad.is_compiling():
-        return reshape_and_cache.traced(
-            key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-            slot_mapping=slot_mapping, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
-            v_scale=v_scale, check_indices=check_indices, stream=stream)
-    return _cache_op("loomnb.reshape_and_cache", "reshape_and_cache", True, key, value,
-                     key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
-                     check_indices, stream)
+    return _cache_op("loomnb.reshape_and_cache", True, key, value, key_cache, value_cache,
+                     slot_mapping, kv_cache_dtype, k_scale, v_scale, check_indices, stream,
+                     launch_key)
 
 
 @torch_op("Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor value, "
@@ -394,7 +354,8 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
 def rotary_embedding_and_cache(positions, query, key, value, key_cache, value_cache,
                                slot_mapping, head_size, cos_sin_cache, is_neox,
                                kv_cache_dtype="auto", k_scale=None, v_scale=None, *,
-                               rope_dim_offset=0, check_indices=False, stream=None):
+                               rope_dim_offset=0, check_indices=False, stream=None,
+                               launch_key=None):
     """:func:`rotary_embedding` of ``query`` and ``key`` then the cache write of the rotated
     key and ``value`` (:func:`reshape_and_cache_flash`, or :func:`reshape_and_cache` when
     ``key_cache`` is the 5-D legacy key), in **one launch**; bit-identical to the two ops in
@@ -417,19 +378,6 @@ def rotary_embedding_and_cache(positions, query, key, value, key_cache, value_ca
     Matches vLLM 0.24's ``rotary_embedding`` + ``reshape_and_cache_flash`` (two launches);
     FlashInfer's ``apply_rope_with_cos_sin_cache_inplace`` + ``append_paged_kv_cache``.
     """
-    if ad.is_compiling():
-        return rotary_embedding_and_cache.traced(
-            positions=positions, query=query, key=key, value=value, key_cache=key_cache,
-            value_cache=value_cache, slot_mapping=slot_mapping, head_size=head_size,
-            cos_sin_cache=cos_sin_cache, is_neox=is_neox, kv_cache_dtype=kv_cache_dtype,
-            k_scale=k_scale, v_scale=v_scale, rope_dim_offset=rope_dim_offset,
-            check_indices=check_indices, stream=stream)
-    k = (_rope_key("rotary_embedding_and_cache",
-                   (positions, query, key, value, key_cache, value_cache, slot_mapping,
-                    cos_sin_cache, k_scale, v_scale), head_size, is_neox, rope_dim_offset, False,
-                   kv_cache_dtype) if stream is None and check_indices is False else None)
-    if k is not None and L.replay(k) is not None:
-        return query, key, key_cache, value_cache
     op = "loomnb.rotary_embedding_and_cache"
     if key is None:
         fail_value(op, "key", "an array (the fused op caches it)", "None")
@@ -455,5 +403,5 @@ def rotary_embedding_and_cache(positions, query, key, value, key_cache, value_ca
     _check_indices(op, check_indices, r, c, stream)
     spec = RopeCacheSpec(q.kind, r.cs.kind, True, is_neox, False, FORMS[("vllm", False)],
                          "legacy" if legacy else "flash", c.kv)
-    _launch(op, spec, r, c, stream, k)
+    _launch(op, spec, r, c, stream, launch_key)
     return query, key, key_cache, value_cache

@@ -153,15 +153,6 @@ def _ws_param(obj, storage, like):
     return L.ArrayParam(arr, ptr, obj.shape, strides, storage)
 
 
-def _stream_key(x, stream):
-    """The current stream's handle for the fast-path key (a workspace is per stream), or None
-    when the call cannot take the fast path."""
-    torch = ad._torch
-    if stream is not None or torch is None or not isinstance(x, torch.Tensor) or not x.is_cuda:
-        return None
-    return torch._C._cuda_getCurrentRawStream(x.get_device())
-
-
 # ---------------------------------------------------------------- checks
 def _logits(op, obj, kinds=LOGITS_KINDS):
     la = ad.wrap(op, "logits", obj)
@@ -253,9 +244,9 @@ _RAISES = """Raises ``LoomnbTypeError`` (a ``TypeError``) for a wrong dtype or a
 
 # ---------------------------------------------------------------------------------------------
 @torch_op("Tensor logits, str sampler='v1'", outputs=("token_ids", "logprobs", "ranks"),
-          fake=_fake_greedy)
+          stream_key="logits", fake=_fake_greedy)
 def greedy_sample_logprob(logits, sampler="v1", *, token_ids=None, logprobs=None, ranks=None,
-                          stream=None):
+                          stream=None, launch_key=None):
     """Greedy sampling with the sampled token's logprob and rank, in one pass over each row.
 
     ``token_ids[r] = argmax_v logits[r, v]`` (the lowest index among equal maxima; a NaN counts
@@ -290,14 +281,6 @@ def greedy_sample_logprob(logits, sampler="v1", *, token_ids=None, logprobs=None
     vLLM returns ``sampled_token_ids`` as int32 ``[num_rows, 1]``; loomnb int64 ``[num_rows]``
     (what ``gather_logprobs`` takes). ``L`` differs from vLLM's fp32 sums by ulps.
     """
-    if ad.is_compiling():
-        return greedy_sample_logprob.traced(logits=logits, sampler=sampler, token_ids=token_ids,
-                                            logprobs=logprobs, ranks=ranks, stream=stream)
-    h = _stream_key(logits, stream)
-    k = L.key("greedy_sample_logprob", (sampler, h), logits, token_ids, logprobs, ranks) \
-        if h is not None else None
-    if k is not None and (hit := L.replay(k)) is not None:
-        return L.fill(hit, token_ids, logprobs, ranks)
     op = "loomnb.greedy_sample_logprob"
     la = _logits(op, logits)
     _sampler(op, sampler)
@@ -306,14 +289,15 @@ def greedy_sample_logprob(logits, sampler="v1", *, token_ids=None, logprobs=None
     lp = _out(op, "logprobs", logprobs, la, "f32", (R,))
     rk = _out(op, "ranks", ranks, la, "i64", (R,))
     C.no_overlap(op, {"token_ids": tok, "logprobs": lp, "ranks": rk}, {"logits": la})
-    _launch_logprob(op, LogprobSpec(la.kind, sampler), la, None, tok, None, lp, rk, 0, stream, k)
+    _launch_logprob(op, LogprobSpec(la.kind, sampler), la, None, tok, None, lp, rk, 0, stream,
+                    launch_key)
     return tok.obj, lp.obj, rk.obj
 
 
 @torch_op("Tensor logits, Tensor token_ids, str sampler='v1'", outputs=("logprobs", "ranks"),
-          fake=_fake_selected)
+          stream_key="logits", fake=_fake_selected)
 def selected_token_logprob_rank(logits, token_ids, sampler="v1", *, logprobs=None, ranks=None,
-                                stream=None):
+                                stream=None, launch_key=None):
     """Logprob and rank of tokens sampled elsewhere (top-k/top-p, FlashInfer), one pass a row.
 
     ``logprobs[r] = r32(r32(x_t - m) - L)`` for ``t = token_ids[r]`` and ``ranks[r]`` as
@@ -339,15 +323,6 @@ def selected_token_logprob_rank(logits, token_ids, sampler="v1", *, logprobs=Non
     Matches V1 ``Sampler.gather_logprobs(log_softmax(logits), 0, token_ids)`` and V2
     ``compute_topk_logprobs(logits, 0, token_ids)``.
     """
-    if ad.is_compiling():
-        return selected_token_logprob_rank.traced(logits=logits, token_ids=token_ids,
-                                                  sampler=sampler, logprobs=logprobs,
-                                                  ranks=ranks, stream=stream)
-    h = _stream_key(logits, stream)
-    k = L.key("selected_token_logprob_rank", (sampler, h), logits, token_ids, logprobs, ranks) \
-        if h is not None else None
-    if k is not None and (hit := L.replay(k)) is not None:
-        return L.fill(hit, logprobs, ranks)
     op = "loomnb.selected_token_logprob_rank"
     la = _logits(op, logits)
     ta = _token_ids(op, token_ids, la)
@@ -357,14 +332,14 @@ def selected_token_logprob_rank(logits, token_ids, sampler="v1", *, logprobs=Non
     rk = _out(op, "ranks", ranks, la, "i64", (R,))
     C.no_overlap(op, {"logprobs": lp, "ranks": rk}, {"logits": la, "token_ids": ta})
     _launch_logprob(op, LogprobSpec(la.kind, sampler, given=True), la, ta, None, None, lp, rk, 0,
-                    stream, k)
+                    stream, launch_key)
     return lp.obj, rk.obj
 
 
 @torch_op("Tensor logits, int k, Tensor? token_ids=None, str sampler='v1'",
-          outputs=("indices", "logprobs", "ranks"), fake=_fake_top_k)
+          outputs=("indices", "logprobs", "ranks"), stream_key="logits", fake=_fake_top_k)
 def top_k_logprobs(logits, k, token_ids=None, sampler="v1", *, indices=None, logprobs=None,
-                   ranks=None, stream=None):
+                   ranks=None, stream=None, launch_key=None):
     """vLLM's ``LogprobsTensors`` for ``logprobs=k``: the sampled token and the ``k`` most
     likely tokens of each row, their logprobs, and the sampled token's rank.
 
@@ -393,15 +368,6 @@ def top_k_logprobs(logits, k, token_ids=None, sampler="v1", *, indices=None, log
     Matches V1 ``Sampler.gather_logprobs`` (``torch.topk`` of the logprobs) and V2
     ``compute_topk_logprobs`` (``torch.topk`` of the raw logits); both pick the same k values.
     """
-    if ad.is_compiling():
-        return top_k_logprobs.traced(logits=logits, k=k, token_ids=token_ids, sampler=sampler,
-                                     indices=indices, logprobs=logprobs, ranks=ranks,
-                                     stream=stream)
-    h = _stream_key(logits, stream)
-    key = (L.key("top_k_logprobs", (k, sampler, h), logits, token_ids, indices, logprobs, ranks)
-           if h is not None and type(k) is int else None)
-    if key is not None and (hit := L.replay(key)) is not None:
-        return L.fill(hit, indices, logprobs, ranks)
     op = "loomnb.top_k_logprobs"
     la = _logits(op, logits)
     k = _k(op, k, la.shape[1])
@@ -414,12 +380,13 @@ def top_k_logprobs(logits, k, token_ids=None, sampler="v1", *, indices=None, log
     C.no_overlap(op, {"indices": ix, "logprobs": lp, "ranks": rk},
                  {"logits": la, "token_ids": ta})
     spec = LogprobSpec(la.kind, sampler, given=ta is not None, topk=True)
-    _launch_logprob(op, spec, la, ta, None, ix, lp, rk, k, stream, key)
+    _launch_logprob(op, spec, la, ta, None, ix, lp, rk, k, stream, launch_key)
     return ix.obj, lp.obj, rk.obj
 
 
-@torch_op("Tensor(a!) logits, Tensor min_p, str sampler='v1'", returns=("logits",))
-def min_p_filter_(logits, min_p, sampler="v1", *, stream=None):
+@torch_op("Tensor(a!) logits, Tensor min_p, str sampler='v1'", returns=("logits",),
+          stream_key="logits")
+def min_p_filter_(logits, min_p, sampler="v1", *, stream=None, launch_key=None):
     """Min-P in place: set to ``-inf`` the logits of tokens much less likely than the row's best.
 
     * ``sampler="v1"`` (probability space, ``MinPLogitsProcessor``): ``p_v = r32(r32(expf(
@@ -449,13 +416,6 @@ def min_p_filter_(logits, min_p, sampler="v1", *, stream=None):
 
     {raises}
     """
-    if ad.is_compiling():
-        return min_p_filter_.traced(logits=logits, min_p=min_p, sampler=sampler, stream=stream)
-    h = _stream_key(logits, stream)
-    k = L.key("min_p_filter_", (sampler, h), logits, min_p) if h is not None else None
-    if (k is not None and L.replay(k + ("stats",)) is not None
-            and L.replay(k + ("mask",)) is not None):
-        return logits
     op = "loomnb.min_p_filter_"
     la = _logits(op, logits, ("f32",))
     _sampler(op, sampler)
@@ -475,9 +435,9 @@ def min_p_filter_(logits, min_p, sampler="v1", *, stream=None):
     ws = _workspace(la, stream)
     params = [L.array(la, words=vec), L.array(ma), _ws_param(ws.f, "float64", la),
               L.i64(V), L.i64(splits), L.i64(chunk)]
-    for phase in ("stats", "mask"):
+    for i, phase in enumerate(("stats", "mask")):  # one call: a replay runs both
         L.launch(min_p_kernel, MinPSpec(sampler, phase, layout), R * splits, threads, params,
-                 like=la, stream=stream, key=None if k is None else k + (phase,))
+                 like=la, stream=stream, key=launch_key, part=(i, 2))
     return logits
 
 

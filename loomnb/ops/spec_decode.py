@@ -129,7 +129,7 @@ def _fake_verify(draft_token_ids, cu_num_draft_tokens, target_logits, bonus_toke
 @torch_op("Tensor draft_token_ids, Tensor cu_num_draft_tokens, Tensor target_argmax, "
           "Tensor bonus_token_ids, int max_spec_len", outputs=("out",), fake=_fake_rows)
 def rejection_greedy_sample(draft_token_ids, cu_num_draft_tokens, target_argmax, bonus_token_ids,
-                            max_spec_len, *, out=None, stream=None):
+                            max_spec_len, *, out=None, stream=None, launch_key=None):
     """vLLM's greedy rejection rule: the accepted drafts, then the recovered or bonus token, per
     request, in vLLM's padded layout.
 
@@ -171,15 +171,6 @@ def rejection_greedy_sample(draft_token_ids, cu_num_draft_tokens, target_argmax,
     (its tests pass int64). Differs where a draft and its target are equal and negative: vLLM
     accepts it, loomnb rejects it.
     """
-    if ad.is_compiling():
-        return rejection_greedy_sample.traced(
-            draft_token_ids=draft_token_ids, cu_num_draft_tokens=cu_num_draft_tokens,
-            target_argmax=target_argmax, bonus_token_ids=bonus_token_ids,
-            max_spec_len=max_spec_len, out=out, stream=stream)
-    k = (L.key("rejection_greedy_sample", (max_spec_len,), draft_token_ids, cu_num_draft_tokens,
-               target_argmax, bonus_token_ids, out) if stream is None else None)
-    if k is not None and (hit := L.replay(k)) is not None:
-        return out if out is not None else hit[0]
     op = "loomnb.rejection_greedy_sample"
     da, ca, ba, num_drafts, num_reqs, spec_len = _inputs(op, draft_token_ids, cu_num_draft_tokens,
                                                          bonus_token_ids, max_spec_len)
@@ -195,17 +186,17 @@ def rejection_greedy_sample(draft_token_ids, cu_num_draft_tokens, target_argmax,
     spec = VerifySpec(ta.kind, g, draft=da.kind, bonus=ba.kind)
     params = _verify_params(None, oa, da, ca, ta, ba, None, None, None, num_reqs, num_drafts,
                             spec_len, 1, 0)
-    L.launch(verify_kernel, spec, blocks, threads, params, like=da, stream=stream, key=k)
+    L.launch(verify_kernel, spec, blocks, threads, params, like=da, stream=stream, key=launch_key)
     return oa.obj
 
 
 @torch_op("Tensor draft_token_ids, Tensor cu_num_draft_tokens, Tensor target_logits, "
           "Tensor bonus_token_ids, int max_spec_len, int? vocab_size=None",
           outputs=("output_token_ids", "num_emitted", "emitted_token_ids", "cu_num_emitted"),
-          fake=_fake_verify)
+          workspaces_first=1, fake=_fake_verify)
 def greedy_verify(draft_token_ids, cu_num_draft_tokens, target_logits, bonus_token_ids,
                   max_spec_len, vocab_size=None, *, output_token_ids=None, num_emitted=None,
-                  emitted_token_ids=None, cu_num_emitted=None, stream=None):
+                  emitted_token_ids=None, cu_num_emitted=None, stream=None, launch_key=None):
     """Greedy verification from the target logits, with the emitted tokens compacted on the
     device: ``target_argmax = argmax(target_logits, -1)`` then :func:`rejection_greedy_sample`,
     then vLLM's ``parse_output`` without the trip to the host.
@@ -249,18 +240,6 @@ def greedy_verify(draft_token_ids, cu_num_draft_tokens, target_logits, bonus_tok
     :func:`rejection_greedy_sample` (which an argmax never triggers). vLLM applies its logits
     processors before the argmax; pass the processed logits.
     """
-    if ad.is_compiling():
-        return greedy_verify.traced(
-            draft_token_ids=draft_token_ids, cu_num_draft_tokens=cu_num_draft_tokens,
-            target_logits=target_logits, bonus_token_ids=bonus_token_ids,
-            max_spec_len=max_spec_len, vocab_size=vocab_size, output_token_ids=output_token_ids,
-            num_emitted=num_emitted, emitted_token_ids=emitted_token_ids,
-            cu_num_emitted=cu_num_emitted, stream=stream)
-    k = (L.key("greedy_verify", (max_spec_len, vocab_size), draft_token_ids, cu_num_draft_tokens,
-               target_logits, bonus_token_ids, output_token_ids, num_emitted, emitted_token_ids,
-               cu_num_emitted) if stream is None else None)
-    if k is not None and (hit := L.replay(k)) is not None:
-        return L.fill(hit[1:], output_token_ids, num_emitted, emitted_token_ids, cu_num_emitted)
     op = "loomnb.greedy_verify"
     da, ca, ba, num_drafts, num_reqs, spec_len = _inputs(op, draft_token_ids, cu_num_draft_tokens,
                                                          bonus_token_ids, max_spec_len)
@@ -298,12 +277,13 @@ def greedy_verify(draft_token_ids, cu_num_draft_tokens, target_logits, bonus_tok
     if num_drafts:
         L.launch(argmax_kernel, ArgmaxSpec(la.kind, vec), num_drafts * splits, threads,
                  [L.array(lv3, words=vec), L.array(keys), L.i64(units), L.i64(chunk),
-                  L.i64(splits)], like=da, stream=stream, key=k, part=(0, launches))
+                  L.i64(splits)], like=da, stream=stream, key=launch_key, part=(0, launches))
     g, vthreads, _ = verify_config(num_reqs, spec_len, True, forced)
     params = _verify_params(stage, oa, da, ca, keys if num_drafts else None, ba, na, ea, cua,
                             num_reqs, num_drafts, spec_len, splits, vocab)
     argmax = ArgmaxSpec(la.kind, vec)  # a step without drafts launches no argmax: warm it
     L.launch(verify_kernel, VerifySpec("keys", g, pack=True, draft=da.kind, bonus=ba.kind), 1,
-             vthreads, params, like=da, stream=stream, key=k, part=(launches - 1, launches),
+             vthreads, params, like=da, stream=stream, key=launch_key,
+             part=(launches - 1, launches),
              warm=lambda: [(argmax_kernel, argmax, argmax_argtypes(argmax))])
     return oa.obj, na.obj, ea.obj, cua.obj
