@@ -84,3 +84,96 @@ def test_stream_is_refused_while_compiling():
     torch._dynamo.reset()
     with pytest.raises(Exception, match="argument 'stream' must be None under torch.compile"):
         torch.compile(f, backend="eager", fullgraph=True)(x, torch.empty(8, device="meta"))
+
+
+# ---------------------------------------------------------------- the generated preamble
+class _Launch:  # a remembered launch whose driver call does nothing
+    device, params = 0, None
+
+    def driver_call(self, stream, params, zero):
+        from loomnb._numba_internals import CUDA_SUCCESS
+        return (CUDA_SUCCESS,)
+
+
+class _Hit:
+    """What ``_launch._cache`` holds for a remembered call; ``allocs`` outputs of ``made``."""
+
+    def __init__(self, made):
+        import threading
+        self.prepared, self.rest, self.device = _Launch(), (), 0
+        self.allocs = tuple((lambda t=t: t, ()) for t in made) or None
+        self.lock = threading.Lock()
+
+
+class _Cache(dict):
+    """Finds every key (recording it), as if each call had been remembered."""
+
+    def __init__(self, made=()):
+        super().__init__()
+        self.keys, self.made = [], made
+
+    def get(self, k, default=None):
+        self.keys.append(k)
+        return _Hit(self.made)
+
+
+@pytest.fixture
+def remembered(monkeypatch):
+    from loomnb.ops import _launch as L
+
+    def install(made=()):
+        cache = _Cache(made)
+        monkeypatch.setattr(L, "_cache", cache)
+        monkeypatch.setattr(L, "_rt", (lambda: 0, lambda device: 0, False))
+        return cache
+    return install
+
+
+def test_public_ops_have_the_bodys_signature_without_launch_key():
+    import inspect
+    for name, op in REGISTERED.items():
+        params = inspect.signature(op).parameters
+        assert "launch_key" not in params and list(params)[-1] == "stream", name
+        assert op.__name__ == name and op.__doc__ and op.traced is not None, name
+
+
+def test_a_replayed_call_returns_the_callers_or_the_replays_outputs(remembered):
+    from loomnb.ops import _launch as L
+    x, w, o = torch.ones(2, 8), torch.ones(8), torch.empty(2, 8)
+    cache = remembered()
+    assert loomnb.rms_norm(x, w, 1e-6, out=o) is o
+    assert cache.keys == [L.key3("rms_norm", 1e-6, "twice", x, w, o)]
+    assert loomnb.fused_add_rms_norm(x, o, w, 1e-6) == (x, o)
+    made = torch.empty(2, 8), torch.empty(2, 1)
+    remembered(made)
+    assert loomnb.rms_norm(x, w, 1e-6) is made[0]
+    q, s = loomnb.rms_norm_dynamic_per_token_quant(x, w, 1e-6, scales=made[1])
+    assert q is made[0] and s is made[1]
+    q, b = loomnb.fused_add_rms_norm_static_fp8_quant(x, o, w, torch.ones(1), 1e-6)
+    assert q is made[0] and b is o
+    assert loomnb.silu_and_mul(x) is made[0]
+
+
+def test_the_preamble_keeps_its_conditions(remembered):
+    """Checked calls, an explicit stream and options of the wrong type take the checked path
+    (which rejects the CPU tensors here); the Python-only ``return_lse`` picks the returns."""
+    x, w, s = torch.ones(2, 8), torch.ones(8), torch.ones(1)
+    cache = remembered()
+    for call in (lambda: loomnb.rms_norm(x, w, 1e-6, stream=0),
+                 lambda: loomnb.rms_norm(x, w, 1, out=x),  # key3: a float eps
+                 lambda: loomnb.rms_norm_static_fp8_quant(x, w, s, 1e-6, check_scale=True),
+                 lambda: loomnb.per_token_group_quant_fp8(x, 8, column_major_scales=1),
+                 lambda: loomnb.greedy_sample_logprob(x)):  # CPU: no current CUDA stream
+        with pytest.raises((loomnb.LoomnbTypeError, loomnb.LoomnbValueError)):
+            call()
+    assert cache.keys == []
+    q, kc, sl = torch.ones(1, 2, 8), torch.ones(1, 4, 2, 8), torch.ones(1)
+    bt = torch.zeros(1, 1, dtype=torch.int32)
+    made = torch.empty(1, 2, 8), torch.empty(2, 1)
+    cache = remembered(made)
+    assert loomnb.paged_decode_attention(q, kc, kc, bt, sl, 0.5) is made[0]
+    assert loomnb.paged_decode_attention(q, kc, kc, bt, sl, 0.5, return_lse=True) == made
+    assert cache.keys[0] != cache.keys[1], "return_lse is part of the key"
+    with pytest.raises(loomnb.LoomnbTypeError):  # not a bool: checked (here: CPU tensors)
+        loomnb.paged_decode_attention(q, kc, kc, bt, sl, 0.5, return_lse=1)
+    assert len(cache.keys) == 2
