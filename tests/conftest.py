@@ -77,3 +77,41 @@ def vllm_c():
     import torch
     torch.ops.load_library(path)
     return torch.ops
+
+
+@pytest.fixture(autouse=True)
+def _split_counters_left_at_zero(request):
+    """GPU tests: the sampling family's split counters (one per row, per stream's workspace) are
+    0 after every test -- the last block of each row leaves its counter at 0, and a nonzero one
+    makes the next launch finish that row early (wrong results) or never. A failure here names
+    the test after which a counter was left set: that test, or a kernel it ran writing out of
+    its bounds into the workspace, is the defect."""
+    yield
+    import sys
+    sampling = sys.modules.get("loomnb.ops.sampling")
+    if sampling is None or not sampling._workspaces:
+        return
+    import numpy as np
+    if HAS_GPU:
+        import torch
+        torch.cuda.synchronize()
+    bad = []
+    for key, ws in list(sampling._workspaces.items()):
+        c = ws.counters
+        if isinstance(c, np.ndarray):  # the simulator's
+            h = c
+        elif hasattr(c, "copy_to_host"):  # a numba device array
+            h = c.copy_to_host()
+        else:  # torch
+            h = c.cpu().numpy()
+        nz = np.flatnonzero(h)
+        if nz.size:
+            bad.append(f"{key}: rows {nz[:8].tolist()} = {h[nz[:8]].tolist()}")
+            if isinstance(c, np.ndarray):  # zeroed so that later tests start clean
+                c[...] = 0
+            elif hasattr(c, "copy_to_device"):
+                c.copy_to_device(np.zeros_like(h))
+            else:
+                c.zero_()
+    if bad:
+        pytest.fail("sampling split counters left nonzero after this test: " + "; ".join(bad))

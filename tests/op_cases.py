@@ -158,8 +158,10 @@ def compare_activation(got, want, kind, what, mode, inputs=None):
     """The simulator runs the oracle's math: bit for bit. On the GPU the quantisers (correctly
     rounded division, exact multiplications) and the dequantisation stay bit for bit; the gated
     activations run libdevice's expf/erff/tanhf, within the table's ulps -- and where one feeds
-    FP8, its code within a step and its group's scale within one bf16 ulp (2^16 float32 ulps)
-    when the flipped value is the group's amax."""
+    FP8, its code within a step and its group's scale within one bf16 ulp (2^16 float32 ulps):
+    any group's scale may move, since each is its amax over 448 and the amax is an activation
+    value (an element a ulp off is the group's amax as often as any other; with two groups one
+    moving is half of them)."""
     if mode == "sim" or not any(n in what for n in GATED_NAMES):
         return compare_bits(got, want, kind, what, mode)
     fam = "activation_gelu" if "gelu" in what else "activation"
@@ -167,7 +169,7 @@ def compare_activation(got, want, kind, what, mode, inputs=None):
         if _is_fp8(g):
             assert_fp8_codes(g, w, ulps("activation_fp8", "fp8"), f"{what}: codes")
         elif i > 0:
-            assert_ulps(g, w, (1 << 16, 1e-2), f"{what}: scales")
+            assert_ulps(g, w, (1 << 16, 1.0), f"{what}: scales")
         elif fam == "activation_gelu":
             _assert_gelu(g, w, kind, what)
         else:
@@ -453,12 +455,15 @@ def _cache(rng, d, kind, layout, D, kv):
 
 
 def _slots(rng, T, nb, bs):
+    """``T`` distinct slots of the pool's ``nb * bs`` in random order, ``-1`` (skipped) where the
+    pool has fewer, and one more ``-1`` among them. Distinct, as vLLM's scheduler gives them:
+    two tokens writing one slot race (the ops leave the winner unspecified, as vLLM's do)."""
     n = nb * bs
-    s = rng.permutation(max(n, T))[:T] if n >= T else rng.integers(0, max(n, 1), T)
+    s = rng.permutation(max(n, T))[:T]
     s = np.where(s < n, s, -1).astype(np.int64)
     if T > 1:
         s[int(rng.integers(0, T))] = pk.PAD_SLOT_ID
-    return s if n else np.full(T, -1, np.int64)
+    return s
 
 
 def _kv_choice(rng, kind):

@@ -280,3 +280,21 @@ def test_min_p_edges_at_full_vocabulary(sampler):
     before = x.clone()
     loomnb.min_p_filter_(x, torch.tensor([0.0, 1.0, 1.0], device="cuda"), sampler)
     assert torch.equal(x, before)
+
+
+def test_min_p_with_more_rows_than_the_workspace_records():
+    """20,000 rows (more than ``MAX_RECORDS``): Min-P's one-record-a-row statistics go to a
+    grown workspace, not past its end -- where they once overwrote the split counters, so the
+    next split launch on the stream finished rows 0 and 1 early (wrong argmax and logprobs) or
+    never. The rows equal the oracle's (V2: exact), and a split launch after it is right (the
+    conftest check also finds every counter at 0 after the test)."""
+    x = rand_logits(20000, 256, "f32", seed=7)
+    mp = torch.full((20000,), 0.05, device="cuda")
+    got = x.clone()
+    loomnb.min_p_filter_(got, mp, "v2")
+    want = to_np(x).copy()
+    loomnb.oracle.min_p_filter_(want, to_np(mp), "v2")
+    assert np.array_equal(to_np(got), want)
+    y = rand_logits(5, 151936, "f32", seed=11)
+    with S.force_splits(7):
+        check(loomnb.greedy_sample_logprob(y), loomnb.oracle.greedy_sample_logprob(to_np(y)), "after")

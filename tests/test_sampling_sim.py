@@ -260,3 +260,24 @@ def test_min_p_outside_zero_one_is_applied_whole_or_not_at_all(sampler):
     for r in (1, 3, 4, 5):
         assert_bits(got[r], x[r], f"min_p = {mp[r]} masks nothing")
     assert (got[0] == -np.inf).any() and (got[2] == -np.inf).any(), "rows 0 and 2 were masked"
+
+
+def test_min_p_rows_past_the_workspace_records(monkeypatch):
+    """Min-P writes a record for every block, one a row when rows are many: more rows than the
+    workspace's records get a larger workspace (the old one kept alive for captured graphs),
+    not writes past its end -- on the GPU those landed in the split counters and broke the
+    next split launch's rows (``MAX_RECORDS`` shrunk to 4 here: the simulator bounds-checks)."""
+    monkeypatch.setattr(S, "MAX_RECORDS", 4)
+    monkeypatch.setattr(S, "_workspaces", {})
+    monkeypatch.setattr(S, "_retired", [])
+    rng = np.random.default_rng(3)
+    for rows in (2, 7):
+        x = logits(rng, rows, 16)
+        mp = np.full(rows, 0.2, np.float32)
+        got, want = x.copy(), x.copy()
+        run(None, 32, lambda: loomnb.min_p_filter_(got, mp, "v2"))
+        loomnb.oracle.min_p_filter_(want, mp, "v2")
+        assert_bits(got, want, f"{rows} rows")
+    (ws,) = S._workspaces.values()
+    assert ws.f.shape[0] == 7 and len(S._retired) == 1, "grown once, the first set kept"
+    assert not ws.counters.any()

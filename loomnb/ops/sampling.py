@@ -42,7 +42,7 @@ THREADS = 512            # threads per block (fewer when a block's share of a ro
 TOPK_THREADS = 256       # top-k variants hold 20 candidates a thread (~170 registers): 256 fit
 UNITS_PER_THREAD = 4     # 16-byte units a thread reads at least, before a row is split further
 BLOCKS_PER_SM = 2        # target: about two blocks per SM in flight (one wave)
-MAX_RECORDS = 4096       # workspace records (num_rows * splits) and counters (rows)
+MAX_RECORDS = 4096       # records (num_rows * splits) a split launch may use; workspaces hold at least these
 V2_BLOCK = 8192          # V2's rank kernel loads 8192-wide blocks, padding with -inf
 SIMULATOR_SMS = 4        # the simulator's SM count for the split rule: any small number
 
@@ -98,26 +98,33 @@ def force_splits(n):
 
 
 # ---------------------------------------------------------------- workspace
-_workspaces = {}  # (library, device, stream handle) -> (ws_f, ws_i, counters) Arrs
+_workspaces = {}  # (library, device, stream handle) -> _Workspace
+_retired = []  # workspaces replaced by larger ones: kept, as a captured CUDA graph may use them
 
 
 class _Workspace:
     __slots__ = ("f", "i", "counters")
 
 
-def _workspace(like, stream):
+def _workspace(like, stream, records):
     """Per-split records and per-row counters, one set per (device, stream): launches on one
     stream are ordered, so they may share it; the last block of each row leaves its counter at
     0 (``atomicInc`` wraps), so it is zero at every launch, CUDA-graph replays included. Made
-    once (zeroed), never freed: a captured graph keeps pointing at it."""
+    zeroed, never freed (a captured graph keeps pointing at it), with room for ``MAX_RECORDS``
+    records or the launch's ``records`` (num_rows x splits) if more: Min-P writes a record for
+    every block, one per row when rows are many, so more than ``MAX_RECORDS`` rows get a larger
+    set (the smaller one is kept alive, not reused)."""
     handle = 0 if like.lib == "numpy" else ad.stream_handle(like, stream)
     key = (like.lib, like.device, handle)
     ws = _workspaces.get(key)
-    if ws is None:
+    if ws is None or ws.f.shape[0] < records:
+        if ws is not None:
+            _retired.append(ws)
+        n = max(MAX_RECORDS, records)
         ws = _Workspace()
-        ws.f = _zeros(like, (MAX_RECORDS, NF), "float64")
-        ws.i = _zeros(like, (MAX_RECORDS, NI), "int64")
-        ws.counters = _zeros(like, (MAX_RECORDS,), "int32")  # read as uint32 by the kernel
+        ws.f = _zeros(like, (n, NF), "float64")
+        ws.i = _zeros(like, (n, NI), "int64")
+        ws.counters = _zeros(like, (n,), "int32")  # read as uint32 by the kernel
         _workspaces[key] = ws
     return ws
 
@@ -201,10 +208,10 @@ def _launch_logprob(op, spec, la, ta, tok, idx, lp, rank, k, stream, key):
     threads, splits, chunk = launch_config(R, V, unit, L.sm_count(la, simulator=SIMULATOR_SMS),
                                            L.forced_threads(), _forced_splits,
                                            TOPK_THREADS if spec.topk else THREADS)
-    if splits > 1:
+    if splits > 1:  # records (and a counter a row) only when rows are split
         assert R * splits <= MAX_RECORDS
     spec = LogprobSpec(spec.kind, spec.sampler, spec.given, spec.topk, "vec" if vec else "scalar")
-    ws = _workspace(la, stream)
+    ws = _workspace(la, stream, 0)
     lp_view = lp if lp.ndim == 2 else lp.view((R, 1), (lp.strides[0], 1))
     params = [L.array(la, words=vec),
               L.array(ta) if ta is not None else L.absent("int64", 1),
@@ -432,7 +439,7 @@ def min_p_filter_(logits, min_p, sampler="v1", *, stream=None, launch_key=None):
     layout = "vec" if vec else "scalar"
     threads, splits, chunk = launch_config(R, V, UNIT["f32"], L.sm_count(la, simulator=SIMULATOR_SMS),
                                            L.forced_threads(), _forced_splits)
-    ws = _workspace(la, stream)
+    ws = _workspace(la, stream, R * splits)  # a record for every block, split or not
     params = [L.array(la, words=vec), L.array(ma), _ws_param(ws.f, "float64", la),
               L.i64(V), L.i64(splits), L.i64(chunk)]
     for i, phase in enumerate(("stats", "mask")):  # one call: a replay runs both
