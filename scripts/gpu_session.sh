@@ -63,6 +63,8 @@
 #   bash scripts/gpu_session.sh W   # one GPU: the whole GPU suite in plain order (no xdist)
 #   bash scripts/gpu_session.sh X   # one GPU, with nothing staged yet (a numpy shim): the plain-order
 #                                   # suite, memcheck and racecheck detached, the xdist suite in front
+#   bash scripts/gpu_session.sh Z   # one GPU, nothing staged: sampling's GPU tests alone, beside the
+#                                   # property/zero-size/sampling/torch-op files under xdist
 #   bash scripts/gpu_session.sh Y [CMD]  # after X, with each later bundle: run CMD, then collect the
 #                                   # detached runs' logs so far
 # Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
@@ -165,6 +167,18 @@ elif [ "$part" = Y ]; then  # after part X: what the detached runs wrote so far,
   tail -3 "$R"/pytest_plain.log; tail -2 "$R"/y.log
   grep -hE "rc=|ERROR SUMMARY|RACECHECK SUMMARY" "$R"/memcheck_*.log 2>/dev/null
   report 0
+elif [ "$part" = Z ]; then  # session 9, nothing staged (shim): the sampling GPU tests alone, beside
+  # the property, zero-size, sampling and torch-op files under xdist (the split-counter check of
+  # tests/conftest.py names any test that leaves a counter set)
+  timeout ${Z_LIMIT:-420} python3 -m pytest -q -rfEs -m gpu tests/test_sampling_gpu.py -p no:cacheprovider \
+    -p no:xdist > "$R/pytest_sampling_alone.log" 2>&1 &
+  timeout -s INT ${Z_LIMIT:-420} python3 -m pytest -q -rfEs -m gpu -n 8 tests/test_fuzz.py tests/test_zero_size.py \
+    tests/test_sampling_gpu.py tests/test_sampling_torch_ops.py tests/test_torch_ops_gpu.py tests/test_torch_ops.py \
+    tests/test_recompile_gpu.py -p no:cacheprovider > "$R/pytest_xdist.log" 2>&1
+  echo "pytest xdist rc=$?" >> "$R/pytest_xdist.log"
+  wait; echo "pytest alone done" >> "$R/pytest_sampling_alone.log"
+  report 0
+  exit 0
 elif [ "$part" = W ]; then
   timeout 540 python3 -m pytest -q -rs -m gpu tests -p no:cacheprovider -p no:xdist \
     > "$R/pytest_plain.log" 2>&1
