@@ -59,8 +59,9 @@ else:
 # ``2**(exp_bits - 1) - 1``) and ``man_bits`` mantissa bits; one decoder and one encoder serve
 # all three, their constants fixed when the device function is made.
 
-def _decoder(name, doc, exp_bits, man_bits, ieee):
-    """Device function ``code -> float32``, exact (subnormals included), named ``name``.
+def _decoder(name, exp_bits, man_bits, ieee, doc):
+    """Device function ``code -> float32``, exact (subnormals included), named ``name`` with
+    docstring ``doc``.
 
     ``ieee``: the all-ones exponent is inf/NaN, the payload kept (fp16); else (E4M3's
     ``fn`` format) only the all-ones exponent and mantissa is NaN (canonical, sign kept) and the
@@ -93,11 +94,11 @@ def _decoder(name, doc, exp_bits, man_bits, ieee):
     return device(decode)
 
 
-def _encoder(name, doc, exp_bits, man_bits, over, over_code):
-    """Device function ``float32 -> code``, named ``name``: round to nearest even, NaN -> the
-    canonical ``0x7F..`` (all bits but the sign), ``|x|`` at or above the float32 with bits
-    ``over`` -> ``sign | over_code`` (the largest finite code for FP8's saturation, inf for
-    fp16's overflow); the sign of zero kept."""
+def _encoder(name, exp_bits, man_bits, over, over_code, doc):
+    """Device function ``float32 -> code``, named ``name`` with docstring ``doc``: round to
+    nearest even, NaN -> the canonical ``0x7F..`` (all bits but the sign), ``|x|`` at or above
+    the float32 with bits ``over`` -> ``sign | over_code`` (the largest finite code for FP8's
+    saturation, inf for fp16's overflow); the sign of zero kept."""
     width = 1 + exp_bits + man_bits
     SIGN, SIGN_DOWN = 1 << (width - 1), 32 - width
     NAN = SIGN - 1
@@ -146,23 +147,19 @@ def f32_to_bf16_portable(x):
 
 # ---------------------------------------------------------------- fp16 --------------------
 
-f16_to_f32_portable = _decoder(
-    "f16_to_f32_portable", "fp16 bits -> float32 (exact, subnormals included).",
-    5, 10, ieee=True)
+f16_to_f32_portable = _decoder("f16_to_f32_portable", 5, 10, ieee=True,
+                               doc="fp16 bits -> float32 (exact, subnormals included).")
 f32_to_f16_portable = _encoder(
-    "f32_to_f16_portable",
-    "float32 -> fp16 bits, round to nearest even, overflow to inf; NaN -> 0x7FFF.",
-    5, 10, over=0x477FF000, over_code=0x7C00)  # >= 65520 (halfway above 65504) rounds to inf
+    "f32_to_f16_portable", 5, 10, over=0x477FF000, over_code=0x7C00,  # 65520 (65504 + half an ulp)
+    doc="float32 -> fp16 bits, round to nearest even, overflow to inf; NaN -> 0x7FFF.")
 
 # ---------------------------------------------------------------- fp8 e4m3 ----------------
 
-e4m3_to_f32 = _decoder(
-    "e4m3_to_f32", "FP8 E4M3 (float8_e4m3fn) code -> float32 (exact); 0x7F/0xFF are NaN.",
-    4, 3, ieee=False)
+e4m3_to_f32 = _decoder("e4m3_to_f32", 4, 3, ieee=False,
+                       doc="FP8 E4M3 (float8_e4m3fn) code -> float32 (exact); 0x7F/0xFF are NaN.")
 f32_to_e4m3_portable = _encoder(
-    "f32_to_e4m3_portable",
-    "float32 -> FP8 E4M3 code: RNE, saturate to +-448, NaN -> 0x7F (``__NV_SATFINITE``).",
-    4, 3, over=0x43E00000, over_code=0x7E)  # |x| >= 448 -> 448
+    "f32_to_e4m3_portable", 4, 3, over=0x43E00000, over_code=0x7E,  # 448, the largest finite
+    doc="float32 -> FP8 E4M3 code: RNE, saturate to +-448, NaN -> 0x7F (``__NV_SATFINITE``).")
 
 # ---------------------------------------------------------------- fp8 e5m2 ----------------
 
@@ -173,10 +170,9 @@ def e5m2_to_f32(c):
 
 
 f32_to_e5m2_portable = _encoder(
-    "f32_to_e5m2_portable",
-    "float32 -> FP8 E5M2 code: RNE, finite overflow and inf saturate to +-57344 (0x7B), NaN -> "
-    "0x7F (``__NV_SATFINITE``, ``cvt.rn.satfinite.e5m2x2.f32``).",
-    5, 2, over=0x47600000, over_code=0x7B)  # |x| >= 57344: the largest finite value, or saturated
+    "f32_to_e5m2_portable", 5, 2, over=0x47600000, over_code=0x7B,  # 57344, the largest finite
+    doc="float32 -> FP8 E5M2 code: RNE, finite overflow and inf saturate to +-57344 (0x7B), NaN "
+        "-> 0x7F (``__NV_SATFINITE``, ``cvt.rn.satfinite.e5m2x2.f32``).")
 
 
 # ---------------------------------------------------------------- hardware selection ------
