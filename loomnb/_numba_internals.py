@@ -49,15 +49,21 @@ if not SIM:
         return builder.call(fn, args)
 
     def _cvt_x2(ptx_type):
-        """Round two float32 to ``ptx_type`` (RNE) and pack: ``hi`` in bits 31..16, ``lo`` in 15..0."""
+        """Round two float32 to ``ptx_type`` (RNE) and pack them, ``hi`` in the upper half:
+        ``bf16x2`` and ``f16x2`` fill a uint32 (bits 31..16 and 15..0); the FP8 pairs
+        ``satfinite.e4m3x2`` and ``satfinite.e5m2x2`` (saturating to +-448 and +-57344, NaN ->
+        0x7F) its low 16 bits (15..8 and 7..0), from a 16-bit register."""
+        fp8 = ptx_type.startswith("satfinite.")
 
         @intrinsic
         def cvt(typingctx, hi, lo):
             sig = types.uint32(types.float32, types.float32)
 
             def codegen(context, builder, sig, args):
-                return _asm(builder, _i32, [_f32, _f32], f"cvt.rn.{ptx_type}.f32 $0, $1, $2;",
-                            "=r,f,f", args)
+                text = f"cvt.rn.{ptx_type}.f32 $0, $1, $2;"
+                if not fp8:
+                    return _asm(builder, _i32, [_f32, _f32], text, "=r,f,f", args)
+                return builder.zext(_asm(builder, _i16, [_f32, _f32], text, "=h,f,f", args), _i32)
 
             return sig, codegen
 
@@ -65,17 +71,8 @@ if not SIM:
 
     cvt_bf16x2 = _cvt_x2("bf16x2")
     cvt_f16x2 = _cvt_x2("f16x2")
-
-    @intrinsic
-    def cvt_e4m3x2(typingctx, hi, lo):
-        """float32 pair -> FP8 E4M3 pair (RNE, saturating to +-448, NaN -> 0x7F): ``hi`` in bits 15..8."""
-        sig = types.uint32(types.float32, types.float32)
-
-        def codegen(context, builder, sig, args):
-            h = _asm(builder, _i16, [_f32, _f32], "cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;", "=h,f,f", args)
-            return builder.zext(h, _i32)
-
-        return sig, codegen
+    cvt_e4m3x2 = _cvt_x2("satfinite.e4m3x2")
+    cvt_e5m2x2 = _cvt_x2("satfinite.e5m2x2")
 
     @intrinsic
     def cvt_f16x2_e4m3x2(typingctx, bits):
@@ -87,17 +84,6 @@ if not SIM:
         def codegen(context, builder, sig, args):
             h = builder.trunc(args[0], _i16)
             return _asm(builder, _i32, [_i16], "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [h])
-
-        return sig, codegen
-
-    @intrinsic
-    def cvt_e5m2x2(typingctx, hi, lo):
-        """float32 pair -> FP8 E5M2 pair (RNE, saturating to +-57344, NaN -> 0x7F): ``hi`` in bits 15..8."""
-        sig = types.uint32(types.float32, types.float32)
-
-        def codegen(context, builder, sig, args):
-            h = _asm(builder, _i16, [_f32, _f32], "cvt.rn.satfinite.e5m2x2.f32 $0, $1, $2;", "=h,f,f", args)
-            return builder.zext(h, _i32)
 
         return sig, codegen
 

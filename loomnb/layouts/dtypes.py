@@ -54,6 +54,80 @@ else:
         return libdevice.int_as_float(int32(b))
 
 
+# ---------------------------------------------------------------- minifloat codecs --------
+# fp16, E4M3 and E5M2 are one sign bit, ``exp_bits`` exponent bits (bias
+# ``2**(exp_bits - 1) - 1``) and ``man_bits`` mantissa bits; one decoder and one encoder serve
+# all three, their constants fixed when the device function is made.
+
+def _decoder(name, exp_bits, man_bits, ieee, doc):
+    """Device function ``code -> float32``, exact (subnormals included), named ``name`` with
+    docstring ``doc``.
+
+    ``ieee``: the all-ones exponent is inf/NaN, the payload kept (fp16); else (E4M3's
+    ``fn`` format) only the all-ones exponent and mantissa is NaN (canonical, sign kept) and the
+    rest of that exponent are normal numbers."""
+    width = 1 + exp_bits + man_bits
+    SIGN, SIGN_UP = 1 << (width - 1), 32 - width  # the sign bit, and how far it moves up
+    NAN = SIGN - 1                                  # E4M3: the NaN code less the sign
+    EMAX, MMASK = (1 << exp_bits) - 1, (1 << man_bits) - 1
+    bias = EMAX >> 1
+    REBIAS, SHIFT = 127 - bias, 23 - man_bits
+    SUB = 2.0 ** (1 - bias - man_bits)              # a subnormal is m * SUB, exact in float32
+
+    def decode(c):
+        c = int(c)
+        sign = (c & SIGN) << SIGN_UP
+        e = (c >> man_bits) & EMAX
+        m = c & MMASK
+        if ieee:
+            if e == EMAX:
+                return bits_f32(sign | 0x7F800000 | (m << SHIFT))
+        elif (c & NAN) == NAN:
+            return bits_f32(sign | 0x7FC00000)
+        if e == 0:
+            v = float32(m) * float32(SUB)
+            return -v if sign else v
+        return bits_f32(sign | ((e + REBIAS) << 23) | (m << SHIFT))
+
+    decode.__name__ = decode.__qualname__ = name
+    decode.__doc__ = doc
+    return device(decode)
+
+
+def _encoder(name, exp_bits, man_bits, over, over_code, doc):
+    """Device function ``float32 -> code``, named ``name`` with docstring ``doc``: round to
+    nearest even, NaN -> the canonical ``0x7F..`` (all bits but the sign), ``|x|`` at or above
+    the float32 with bits ``over`` -> ``sign | over_code`` (the largest finite code for FP8's
+    saturation, inf for fp16's overflow); the sign of zero kept."""
+    width = 1 + exp_bits + man_bits
+    SIGN, SIGN_DOWN = 1 << (width - 1), 32 - width
+    NAN = SIGN - 1
+    bias = ((1 << exp_bits) - 1) >> 1
+    DROP = 23 - man_bits                          # float32 mantissa bits dropped
+    HALF = (1 << (DROP - 1)) - 1                  # RNE: add half less one, plus the kept lsb
+    MIN_NORMAL = (128 - bias) << 23               # float32 bits of 2**(1 - bias)
+    REBIAS = (127 - bias) << man_bits             # exponent 127 -> bias, after the shift
+    SUB = 2.0 ** (bias - 1 + man_bits)            # subnormal steps of 2**(1 - bias - man_bits)
+
+    def encode(x):
+        u = int(f32_bits(x))
+        sign = (u >> SIGN_DOWN) & SIGN
+        a = u & 0x7FFFFFFF
+        if a > 0x7F800000:
+            return NAN
+        if a >= over:
+            return sign | over_code
+        if a >= MIN_NORMAL:
+            return sign | (((a + HALF + ((a >> DROP) & 1)) >> DROP) - REBIAS)
+        v = bits_f32(a) * float32(SUB)
+        q = (v + float32(12582912.0)) - float32(12582912.0)  # RNE to an integer (< 2**22)
+        return sign | int(q)
+
+    encode.__name__ = encode.__qualname__ = name
+    encode.__doc__ = doc
+    return device(encode)
+
+
 # ---------------------------------------------------------------- bf16 --------------------
 
 @device
@@ -73,71 +147,19 @@ def f32_to_bf16_portable(x):
 
 # ---------------------------------------------------------------- fp16 --------------------
 
-@device
-def f16_to_f32_portable(h):
-    """fp16 bits -> float32 (exact, subnormals included)."""
-    h = int(h)
-    sign = (h & 0x8000) << 16
-    e = (h >> 10) & 0x1F
-    m = h & 0x3FF
-    if e == 0x1F:
-        return bits_f32(sign | 0x7F800000 | (m << 13))
-    if e == 0:
-        v = float32(m) * float32(5.9604644775390625e-08)  # m * 2**-24, exact
-        return -v if sign else v
-    return bits_f32(sign | ((e + 112) << 23) | (m << 13))
-
-
-@device
-def f32_to_f16_portable(x):
-    """float32 -> fp16 bits, round to nearest even, overflow to inf; NaN -> 0x7FFF."""
-    u = int(f32_bits(x))
-    sign = (u >> 16) & 0x8000
-    a = u & 0x7FFFFFFF
-    if a > 0x7F800000:
-        return 0x7FFF
-    if a >= 0x477FF000:  # >= 65520 rounds to inf
-        return sign | 0x7C00
-    if a < 0x38800000:  # below 2**-14: fp16 subnormal, steps of 2**-24
-        v = bits_f32(a) * float32(16777216.0)
-        q = (v + float32(12582912.0)) - float32(12582912.0)  # RNE to an integer (< 2**22)
-        return sign | int(q)
-    return sign | ((a - 0x38000000 + 0xFFF + ((a >> 13) & 1)) >> 13)
-
+f16_to_f32_portable = _decoder("f16_to_f32_portable", 5, 10, ieee=True,
+                               doc="fp16 bits -> float32 (exact, subnormals included).")
+f32_to_f16_portable = _encoder(
+    "f32_to_f16_portable", 5, 10, over=0x477FF000, over_code=0x7C00,  # 65520 (65504 + half an ulp)
+    doc="float32 -> fp16 bits, round to nearest even, overflow to inf; NaN -> 0x7FFF.")
 
 # ---------------------------------------------------------------- fp8 e4m3 ----------------
 
-@device
-def e4m3_to_f32(c):
-    """FP8 E4M3 (float8_e4m3fn) code -> float32 (exact); 0x7F/0xFF are NaN."""
-    c = int(c)
-    sign = (c & 0x80) << 24
-    e = (c >> 3) & 0xF
-    m = c & 7
-    if (c & 0x7F) == 0x7F:
-        return bits_f32(sign | 0x7FC00000)
-    if e == 0:
-        v = float32(m) * float32(0.001953125)  # m * 2**-9
-        return -v if sign else v
-    return bits_f32(sign | ((e + 120) << 23) | (m << 20))
-
-
-@device
-def f32_to_e4m3_portable(x):
-    """float32 -> FP8 E4M3 code: RNE, saturate to +-448, NaN -> 0x7F (``__NV_SATFINITE``)."""
-    u = int(f32_bits(x))
-    sign = (u >> 24) & 0x80
-    a = u & 0x7FFFFFFF
-    if a > 0x7F800000:
-        return 0x7F
-    if a >= 0x43E00000:  # |x| >= 448
-        return sign | 0x7E
-    if a >= 0x3C800000:  # |x| >= 2**-6: normal; drop 20 mantissa bits with RNE, rebias 127 -> 7
-        return sign | (((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960)
-    v = bits_f32(a) * float32(512.0)  # subnormal: steps of 2**-9
-    q = (v + float32(12582912.0)) - float32(12582912.0)
-    return sign | int(q)
-
+e4m3_to_f32 = _decoder("e4m3_to_f32", 4, 3, ieee=False,
+                       doc="FP8 E4M3 (float8_e4m3fn) code -> float32 (exact); 0x7F/0xFF are NaN.")
+f32_to_e4m3_portable = _encoder(
+    "f32_to_e4m3_portable", 4, 3, over=0x43E00000, over_code=0x7E,  # 448, the largest finite
+    doc="float32 -> FP8 E4M3 code: RNE, saturate to +-448, NaN -> 0x7F (``__NV_SATFINITE``).")
 
 # ---------------------------------------------------------------- fp8 e5m2 ----------------
 
@@ -147,22 +169,10 @@ def e5m2_to_f32(c):
     return f16_to_f32_portable(int(c) << 8)
 
 
-@device
-def f32_to_e5m2_portable(x):
-    """float32 -> FP8 E5M2 code: RNE, finite overflow and inf saturate to +-57344 (0x7B),
-    NaN -> 0x7F (``__NV_SATFINITE``, ``cvt.rn.satfinite.e5m2x2.f32``)."""
-    u = int(f32_bits(x))
-    sign = (u >> 24) & 0x80
-    a = u & 0x7FFFFFFF
-    if a > 0x7F800000:
-        return 0x7F
-    if a >= 0x47600000:  # |x| >= 57344: the largest finite value, or saturated to it
-        return sign | 0x7B
-    if a >= 0x38800000:  # |x| >= 2**-14: normal; drop 21 mantissa bits with RNE, rebias 127 -> 15
-        return sign | (((a + 0xFFFFF + ((a >> 21) & 1)) >> 21) - 448)
-    v = bits_f32(a) * float32(65536.0)  # subnormal: steps of 2**-16
-    q = (v + float32(12582912.0)) - float32(12582912.0)
-    return sign | int(q)
+f32_to_e5m2_portable = _encoder(
+    "f32_to_e5m2_portable", 5, 2, over=0x47600000, over_code=0x7B,  # 57344, the largest finite
+    doc="float32 -> FP8 E5M2 code: RNE, finite overflow and inf saturate to +-57344 (0x7B), NaN "
+        "-> 0x7F (``__NV_SATFINITE``, ``cvt.rn.satfinite.e5m2x2.f32``).")
 
 
 # ---------------------------------------------------------------- hardware selection ------

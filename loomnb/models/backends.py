@@ -42,6 +42,31 @@ from ._names import BACKENDS, LOOMNB_OPS
 from .paged_cache import paged_attention, reshape_and_cache
 
 
+def _rope_and_cache(rotate, widen, positions, query, key, value, key_cache, value_cache,
+                    slot_mapping, head_size, cos_sin_cache, is_neox, kv_cache_dtype, k_scale,
+                    v_scale):
+    """The torch backends' ``rotary_embedding_and_cache``: ``(x, y) <- rotate(x, y, cos, sin)``
+    rounded to the query dtype, in place, for ``query`` and ``key`` (``[num_tokens, heads *
+    head_size]``), ``x, y`` the two halves (NeoX) or the even/odd channels (GPT-J) of the first
+    ``rot = cos_sin_cache.shape[1]`` dimensions of each head and ``cos, sin`` (``[num_tokens, 1,
+    rot / 2]``) the rows ``positions`` of ``cos_sin_cache``, all of them passed through
+    ``widen`` (the arithmetic dtype); then the key and value written to the paged cache."""
+    num_tokens = positions.shape[0]
+    rot = cos_sin_cache.shape[1]
+    cos, sin = widen(cos_sin_cache.index_select(0, positions)).chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    xs, ys = ((slice(0, rot // 2), slice(rot // 2, rot)) if is_neox else
+              (slice(0, rot, 2), slice(1, rot, 2)))
+    for t in (query, key):
+        heads = t.view(num_tokens, -1, head_size)
+        new_x, new_y = rotate(widen(heads[..., xs]), widen(heads[..., ys]), cos, sin)
+        heads[..., xs], heads[..., ys] = new_x.to(t.dtype), new_y.to(t.dtype)
+    num_kv_heads = key_cache.shape[2]
+    reshape_and_cache(key.view(num_tokens, num_kv_heads, head_size),
+                      value.reshape(num_tokens, num_kv_heads, head_size), key_cache,
+                      value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+
+
 class TorchReferenceOps:
     """Pure torch with loomnb's rounding points (the spec the kernels are checked against)."""
 
@@ -72,24 +97,13 @@ class TorchReferenceOps:
         ``y' = fma(x, s, r32(y*c))`` in fp32 (emulated in float64: the float32 products are
         exact there), rounded once to the query dtype, ``(x, y)`` the two halves (NeoX) or the
         even/odd channels (GPT-J) of the rotary dimensions; then the cache write."""
-        num_tokens = positions.shape[0]
-        rot = cos_sin_cache.shape[1]
-        cos, sin = cos_sin_cache.index_select(0, positions).float().double().chunk(2, dim=-1)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        for t in (query, key):
-            heads = t.view(num_tokens, -1, head_size)
-            xs, ys = ((slice(0, rot // 2), slice(rot // 2, rot)) if is_neox else
-                      (slice(0, rot, 2), slice(1, rot, 2)))
-            x, y = heads[..., xs].float().double(), heads[..., ys].float().double()
+        def rotate(x, y, cos, sin):  # float64 operands, r32 = .float()
             y_sin, y_cos = (y * sin).float().double(), (y * cos).float().double()
-            new_x = (x * cos - y_sin).float().to(t.dtype)
-            new_y = (x * sin + y_cos).float().to(t.dtype)
-            heads[..., xs] = new_x
-            heads[..., ys] = new_y
-        num_kv_heads = key_cache.shape[2]
-        reshape_and_cache(key.view(num_tokens, num_kv_heads, head_size),
-                          value.reshape(num_tokens, num_kv_heads, head_size), key_cache,
-                          value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+            return (x * cos - y_sin).float(), (x * sin + y_cos).float()
+
+        _rope_and_cache(rotate, lambda t: t.float().double(), positions, query, key, value,
+                        key_cache, value_cache, slot_mapping, head_size, cos_sin_cache, is_neox,
+                        kv_cache_dtype, k_scale, v_scale)
 
     @staticmethod
     def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, *,
@@ -134,20 +148,10 @@ class TorchOps(TorchReferenceOps):
     def rotary_embedding_and_cache(positions, query, key, value, key_cache, value_cache,
                                    slot_mapping, head_size, cos_sin_cache, is_neox,
                                    kv_cache_dtype="auto", k_scale=None, v_scale=None):
-        num_tokens = positions.shape[0]
-        rot = cos_sin_cache.shape[1]
-        cos, sin = cos_sin_cache.index_select(0, positions).float().chunk(2, dim=-1)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        xs, ys = ((slice(0, rot // 2), slice(rot // 2, rot)) if is_neox else
-                  (slice(0, rot, 2), slice(1, rot, 2)))
-        for t in (query, key):
-            heads = t.view(num_tokens, -1, head_size)
-            x, y = heads[..., xs].float(), heads[..., ys].float()
-            heads[..., xs], heads[..., ys] = (x * cos - y * sin).to(t.dtype), (x * sin + y * cos).to(t.dtype)
-        num_kv_heads = key_cache.shape[2]
-        reshape_and_cache(key.view(num_tokens, num_kv_heads, head_size),
-                          value.reshape(num_tokens, num_kv_heads, head_size), key_cache,
-                          value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+        _rope_and_cache(lambda x, y, cos, sin: (x * cos - y * sin, x * sin + y * cos),
+                        torch.Tensor.float, positions, query, key, value, key_cache, value_cache,
+                        slot_mapping, head_size, cos_sin_cache, is_neox, kv_cache_dtype, k_scale,
+                        v_scale)
 
     @staticmethod
     def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, *,
@@ -185,68 +189,76 @@ def _to_torch(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
-class LoomnbCpuOps:
+class _LoomnbOps:
+    """What the two loomnb backends share: each op calls the function of the same name in
+    ``self.m`` (``loomnb`` or ``loomnb.oracle``, which mirror each other), its tensors passed
+    through ``_array`` (optional scales through ``_scale``) and its result back through
+    ``_tensor``; identities here, NumPy views for the oracles."""
+
+    loomnb_ops = LOOMNB_OPS
+
+    @staticmethod
+    def _array(t):
+        return t
+
+    _scale = _tensor = _array
+
+    def rms_norm(self, x, weight, eps):
+        return self._tensor(self.m.rms_norm(self._array(x), self._array(weight), eps))
+
+    def fused_add_rms_norm(self, x, residual, weight, eps):
+        self.m.fused_add_rms_norm(self._array(x), self._array(residual), self._array(weight), eps)
+        return x, residual
+
+    def paged_decode_attention(self, query, key_cache, value_cache, block_tables, seq_lens,
+                               scale, *, kv_cache_dtype="auto", k_scale=None, v_scale=None):
+        a = self._array
+        out = self.m.paged_decode_attention(a(query), a(key_cache), a(value_cache),
+                                            a(block_tables), a(seq_lens), scale,
+                                            kv_cache_dtype=kv_cache_dtype,
+                                            k_scale=self._scale(k_scale),
+                                            v_scale=self._scale(v_scale))
+        return self._tensor(out).view(query.shape[0], -1)  # contiguous: a fresh tensor
+
+    def silu_and_mul(self, x):
+        return self._tensor(self.m.silu_and_mul(self._array(x)))
+
+
+class LoomnbCpuOps(_LoomnbOps):
     """The loomnb NumPy oracles (``loomnb.oracle``) on zero-copy views of CPU tensors."""
 
     name = "loomnb-cpu"
-    loomnb_ops = LOOMNB_OPS
+    _array, _scale = staticmethod(_to_numpy), staticmethod(_scale_numpy)
+    _tensor = staticmethod(_to_torch)
 
     def __init__(self):
         from loomnb import oracle  # lazy: the package core may be absent at import time
 
-        self.o = oracle
-
-    def rms_norm(self, x, weight, eps):
-        return _to_torch(self.o.rms_norm(_to_numpy(x), _to_numpy(weight), eps))
-
-    def fused_add_rms_norm(self, x, residual, weight, eps):
-        self.o.fused_add_rms_norm(_to_numpy(x), _to_numpy(residual), _to_numpy(weight), eps)
-        return x, residual
+        self.m = oracle
 
     def rotary_embedding_and_cache(self, positions, query, key, value, key_cache, value_cache,
                                    slot_mapping, head_size, cos_sin_cache, is_neox,
                                    kv_cache_dtype="auto", k_scale=None, v_scale=None):
-        self.o.rotary_embedding_and_cache(
+        self.m.rotary_embedding_and_cache(
             _to_numpy(positions), _to_numpy(query), _to_numpy(key), _to_numpy(value),
             _to_numpy(key_cache), _to_numpy(value_cache), _to_numpy(slot_mapping), head_size,
             _to_numpy(cos_sin_cache), is_neox, kv_cache_dtype, _scale_numpy(k_scale),
             _scale_numpy(v_scale))
 
-    def paged_decode_attention(self, query, key_cache, value_cache, block_tables, seq_lens,
-                               scale, *, kv_cache_dtype="auto", k_scale=None, v_scale=None):
-        out = self.o.paged_decode_attention(_to_numpy(query), _to_numpy(key_cache),
-                                            _to_numpy(value_cache), _to_numpy(block_tables),
-                                            _to_numpy(seq_lens), scale,
-                                            kv_cache_dtype=kv_cache_dtype,
-                                            k_scale=_scale_numpy(k_scale),
-                                            v_scale=_scale_numpy(v_scale))
-        return _to_torch(out).reshape(query.shape[0], -1)
-
-    def silu_and_mul(self, x):
-        return _to_torch(self.o.silu_and_mul(_to_numpy(x)))
-
     def greedy_sample_logprob(self, logits):
-        ids, lp, rank = self.o.greedy_sample_logprob(_to_numpy(logits))
+        ids, lp, rank = self.m.greedy_sample_logprob(_to_numpy(logits))
         return _to_torch(ids), _to_torch(lp), _to_torch(rank)
 
 
-class LoomnbCudaOps:
+class LoomnbCudaOps(_LoomnbOps):
     """The loomnb Numba-CUDA kernels on torch CUDA tensors."""
 
     name = "loomnb-cuda"
-    loomnb_ops = LOOMNB_OPS
 
     def __init__(self):
         import loomnb  # lazy, see LoomnbCpuOps
 
         self.m = loomnb
-
-    def rms_norm(self, x, weight, eps):
-        return self.m.rms_norm(x, weight, eps)
-
-    def fused_add_rms_norm(self, x, residual, weight, eps):
-        self.m.fused_add_rms_norm(x, residual, weight, eps)
-        return x, residual
 
     def rotary_embedding_and_cache(self, positions, query, key, value, key_cache, value_cache,
                                    slot_mapping, head_size, cos_sin_cache, is_neox,
@@ -261,16 +273,6 @@ class LoomnbCudaOps:
         self.m.rotary_embedding_and_cache(positions, query, key, value, key_cache, value_cache,
                                           slot_mapping, head_size, cos_sin_cache, is_neox,
                                           kv_cache_dtype, k_scale, v_scale)
-
-    def paged_decode_attention(self, query, key_cache, value_cache, block_tables, seq_lens,
-                               scale, *, kv_cache_dtype="auto", k_scale=None, v_scale=None):
-        out = self.m.paged_decode_attention(query, key_cache, value_cache, block_tables,
-                                            seq_lens, scale, kv_cache_dtype=kv_cache_dtype,
-                                            k_scale=k_scale, v_scale=v_scale)
-        return out.view(query.shape[0], -1)
-
-    def silu_and_mul(self, x):
-        return self.m.silu_and_mul(x)
 
     def greedy_sample_logprob(self, logits):
         return self.m.greedy_sample_logprob(logits)

@@ -102,17 +102,25 @@ def argmax_combine(va, ia, vb, ib):
 
 
 if SIM:
+    def _share(v):
+        """``(sm, t)``: every thread's ``v`` in the block-wide float64 array ``sm`` (written
+        between two barriers) and this thread's index -- the simulator's stand-in for the warp
+        shuffles. The simulator keys a shared array by its source line, so every caller shares
+        this one; each reads it, then puts a ``cuda.syncthreads()`` before the next write."""
+        sm = cuda.shared.array(1024, float64)
+        t = cuda.threadIdx.x
+        cuda.syncthreads()
+        sm[t] = v
+        cuda.syncthreads()
+        return sm, t
+
     @functools.cache
     def group_reduce(combine, width, stride=1):
         span = width * stride
 
         @cuda.jit(device=True)
         def reduce(v):
-            sm = cuda.shared.array(1024, float64)
-            t = cuda.threadIdx.x
-            cuda.syncthreads()
-            sm[t] = v
-            cuda.syncthreads()
+            sm, t = _share(v)
             first = (t & ~(span - 1)) + (t & (stride - 1))
             acc = sm[first]
             for k in range(1, width):
@@ -286,11 +294,7 @@ if SIM:
     def group_scan(width):
         @cuda.jit(device=True)
         def scan(v):
-            sm = cuda.shared.array(1024, float64)
-            t = cuda.threadIdx.x
-            cuda.syncthreads()
-            sm[t] = v
-            cuda.syncthreads()
+            sm, t = _share(v)
             acc = sm[t & ~(width - 1)]
             for k in range((t & ~(width - 1)) + 1, t + 1):
                 acc += sm[k]

@@ -14,15 +14,22 @@ FP8_MIN_SCALE = np.float32(1.0) / np.float32(448.0 * 512.0)  # vLLM's min_scalin
 UE8M0_FLOOR = np.float32(1e-10)  # the log2 argument floor of UE8M0 scales
 
 
-def e4m3_encode(x):
-    """float32 array -> uint8 E4M3 codes, RNE, saturating to +-448, NaN -> 0x7F."""
+def _encode_satfinite(x, fp8_dtype, fp8_max):
+    """float32 array -> uint8 codes of ``fp8_dtype`` (an ml_dtypes FP8 type), same shape: RNE
+    after clipping to +-``fp8_max`` (so ml_dtypes' overflow to NaN or inf never happens), NaN
+    -> the canonical 0x7F, the sign of zero kept."""
     x = np.asarray(x, dtype=np.float32)
     flat = x.reshape(-1)
-    sat = np.clip(flat, -FP8_MAX, FP8_MAX)  # NaN passes through np.clip
+    sat = np.clip(flat, -fp8_max, fp8_max)  # NaN passes through np.clip
     with np.errstate(invalid="ignore"):
-        codes = sat.astype(ml_dtypes.float8_e4m3fn).view(np.uint8).copy()
+        codes = sat.astype(fp8_dtype).view(np.uint8).copy()
     codes[np.isnan(flat)] = 0x7F
     return codes.reshape(x.shape)
+
+
+def e4m3_encode(x):
+    """float32 array -> uint8 E4M3 codes, RNE, saturating to +-448, NaN -> 0x7F."""
+    return _encode_satfinite(x, ml_dtypes.float8_e4m3fn, FP8_MAX)
 
 
 def clamp_fp8(v):
@@ -70,13 +77,7 @@ def e5m2_encode(x):
     ``__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E5M2)`` / ``cvt.rn.satfinite.e5m2x2.f32``:
     round to nearest even, finite overflow and infinities saturate to +-57344 (0x7B/0xFB), NaN
     -> the canonical 0x7F, the sign of zero kept. (ml_dtypes' cast overflows to inf instead.)"""
-    x = np.asarray(x, dtype=np.float32)
-    flat = x.reshape(-1)
-    sat = np.clip(flat, -FP8_E5M2_MAX, FP8_E5M2_MAX)  # NaN passes through np.clip
-    with np.errstate(invalid="ignore"):
-        codes = sat.astype(ml_dtypes.float8_e5m2).view(np.uint8).copy()
-    codes[np.isnan(flat)] = 0x7F
-    return codes.reshape(x.shape)
+    return _encode_satfinite(x, ml_dtypes.float8_e5m2, FP8_E5M2_MAX)
 
 
 def e5m2_decode(codes):

@@ -114,17 +114,22 @@ def _write(cache, blk, off, codes, kvd):
         cache.view(np.uint8)[blk, off] = codes
 
 
+def _kept_tokens(key, value, slot_mapping, block_size):
+    """``(blk, off, k, v)`` of the tokens whose slot is >= 0 (the rest write nothing): slot =
+    ``blk * block_size + off``, and their rows of ``key``/``value`` (the first
+    ``num_tokens = len(slot_mapping)`` rows, ``[num_tokens, Hk, D]``)."""
+    slots = np.asarray(slot_mapping)
+    keep = slots >= 0
+    blk, off = slots[keep] // block_size, slots[keep] % block_size
+    n = slots.shape[0]
+    return blk, off, np.asarray(key)[:n][keep], np.asarray(value)[:n][keep]
+
+
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
                             k_scale, v_scale, *, check_indices=False, stream=None):
     """Reference ``reshape_and_cache_flash`` (caches ``[NB, B, Hk, D]`` views): mutates them."""
     kvd = _KV[kv_cache_dtype]
-    slots = np.asarray(slot_mapping)
-    n = slots.shape[0]
-    keep = slots >= 0
-    bs = key_cache.shape[1]
-    blk, off = slots[keep] // bs, slots[keep] % bs
-    k = np.asarray(key)[:n][keep]
-    v = np.asarray(value)[:n][keep]
+    blk, off, k, v = _kept_tokens(key, value, slot_mapping, key_cache.shape[1])
     _write(key_cache, blk, off, _codes(k, kvd, k_scale), kvd)
     _write(value_cache, blk, off, _codes(v, kvd, v_scale), kvd)
     return key_cache, value_cache
@@ -142,13 +147,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
     """Reference ``reshape_and_cache`` (legacy x-packed key, transposed value): mutates them."""
     kvd = _KV[kv_cache_dtype]
     kview, vview = _legacy_views(key_cache, value_cache)
-    slots = np.asarray(slot_mapping)
-    n = slots.shape[0]
-    keep = slots >= 0
-    bs = kview.shape[1]
-    blk, off = slots[keep] // bs, slots[keep] % bs
-    k = np.asarray(key)[:n][keep]
-    v = np.asarray(value)[:n][keep]
+    blk, off, k, v = _kept_tokens(key, value, slot_mapping, kview.shape[1])
     kc = _codes(k, kvd, k_scale)
     kc = kc.reshape(kc.shape[0], kc.shape[1], kview.shape[3], kview.shape[4])
     _write(kview, blk, off, kc, kvd)
