@@ -65,6 +65,9 @@
 #                                   # suite, memcheck and racecheck detached, the xdist suite in front
 #   bash scripts/gpu_session.sh Z   # one GPU, nothing staged: sampling's GPU tests alone, beside the
 #                                   # property/zero-size/sampling/torch-op files under xdist
+#   bash scripts/gpu_session.sh S   # one GPU, first bundle of numpy,vllm,model: xdist suite, memcheck,
+#                                   # racecheck detached; S2 (after the last bundle, through Y): the
+#                                   # model/vLLM tests and bench_overhead.py against vLLM's ops
 #   bash scripts/gpu_session.sh Y [CMD]  # after X, with each later bundle: run CMD, then collect the
 #                                   # detached runs' logs so far
 # Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
@@ -161,6 +164,31 @@ elif [ "$part" = X ]; then  # session 8, while the bundles of numpy,vllm,model a
     --durations=15 > "$R/pytest_xdist.log" 2>&1
   echo "pytest xdist rc=$?" >> "$R/pytest_xdist.log"
   report 0
+elif [ "$part" = S ]; then  # session 9, with the first bundle of numpy,vllm,model (numpy shim until
+  # the last): the xdist suite, memcheck (zero-size sweep + property tests) and racecheck start
+  # detached into /tmp/res_bg; part Y collects them with each later bundle
+  R=/tmp/res_bg; mkdir -p $R
+  setsid bash -c "timeout 600 python3 -m pytest -q -rfEs -m gpu -n 8 tests -p no:cacheprovider --durations=15 \
+    > $R/pytest_xdist.log 2>&1; echo \"pytest xdist rc=\$?\" >> $R/pytest_xdist.log" < /dev/null > /dev/null 2>&1 &
+  setsid bash -c "source scripts/gpu_session.sh _defs; R=$R; LOOMNB_FUZZ_EXAMPLES=3 sanitize memcheck 1100 \
+    tests/test_zero_size.py tests/test_fuzz.py" < /dev/null > /dev/null 2>&1 &
+  setsid bash -c "source scripts/gpu_session.sh _defs; R=$R; LOOMNB_FUZZ_EXAMPLES=2 sanitize racecheck 1100 \
+    tests/test_fuzz.py" < /dev/null > /dev/null 2>&1 &
+  sleep 5; cat "$R/gpu.txt" 2>/dev/null; cat /tmp/res_S/gpu.txt; echo started
+  exit 0
+elif [ "$part" = S2 ]; then  # session 9, after the last bundle (env.sh sourced): wait for part S's
+  # xdist run, then what needs the model and vLLM's library: the model, plug-in and vLLM-exact
+  # tests, and the eager per-call cost against vLLM's ops
+  for _ in $(seq 60); do grep -q "pytest xdist rc=" /tmp/res_bg/pytest_xdist.log 2>/dev/null && break; sleep 5; done
+  timeout 240 python3 -m pytest -q -rfEs -m gpu -n 4 tests/test_model.py tests/test_speculative_loop.py \
+    tests/test_eos.py tests/test_vllm_plugin.py tests/test_norm_gpu.py tests/test_cli.py -p no:cacheprovider \
+    > /tmp/res_bg/pytest_staged.log 2>&1
+  echo "pytest staged rc=$?" >> /tmp/res_bg/pytest_staged.log
+  timeout 150 python3 benchmarks/bench_overhead.py --vllm-lib "$LOOMNB_VLLM_LIB" --out /tmp/res_Y \
+    > /tmp/res_bg/overhead.log 2>&1
+  echo "overhead rc=$?" >> /tmp/res_bg/overhead.log
+  tail -2 /tmp/res_bg/pytest_xdist.log; tail -3 /tmp/res_bg/pytest_staged.log; grep -E "rms_norm \(out=\)|vllm|rc=" /tmp/res_bg/overhead.log
+  exit 0
 elif [ "$part" = Y ]; then  # after part X: what the detached runs wrote so far, then ARGS (a command)
   shift; [ $# -gt 0 ] && timeout ${Y_LIMIT:-300} bash -c "$*" > "$R/y.log" 2>&1
   cp /tmp/res_bg/*.log "$R/" 2>/dev/null
