@@ -10,10 +10,9 @@ One thread block per row (token, or token x head for per-head q/k norms). Per ro
   float64 (:func:`inv_rms`);
 * ``n = r(f(r(s * inv)) * f(w))`` (``rounding="twice"``: HF, vLLM's ``forward_native``) or
   ``r(s * inv * f(w))`` (``"once"``: vLLM 0.24's compiled ops and FlashInfer);
-* then ``out = n`` in the activation dtype, or FP8 E4M3: ``e4m3(clamp(n * (1/scale)))``
-  (``quant="static"``; with ``rounding="once"`` the float32 product ``s * inv * f(w)`` is
-  quantised directly, with no rounding to the activation dtype in between: vLLM 0.24's
-  compiled static kernels) or, with a per-row ``scale = max(min(amax|n|, ub)/448,
+* then ``out = n`` in the activation dtype, or FP8 E4M3: ``e4m3(clamp(f(n) * (1/scale)))``
+  (``quant="static"``: the norm in the activation dtype, quantised -- with ``"once"``, vLLM
+  0.24's compiled static kernels) or, with a per-row ``scale = max(min(amax|n|, ub)/448,
   1/(448*512))`` written to ``scales``, ``e4m3(clamp(n / scale))`` (``"dynamic"``, rounded
   twice).
 
@@ -171,8 +170,8 @@ def _scalar(spec):
                 n = rnd(s * inv) * dec(weight[i])
             if QUANT == "dynamic":
                 orow[i] = f32_to_e4m3(clamp_fp8(rnd(n) / q))
-            elif QUANT == "static":  # "once": the float32 product itself is quantised
-                orow[i] = f32_to_e4m3(clamp_fp8((n if ONCE else rnd(n)) * q))
+            elif QUANT == "static":
+                orow[i] = f32_to_e4m3(clamp_fp8(rnd(n) * q))  # the norm in T, quantised
             else:
                 orow[i] = enc(n)
             if FP32:
@@ -263,7 +262,7 @@ def _cached(spec):
                     if QUANT == "dynamic":
                         n = rnd(n)
                         amax = fmax_nan(amax, abs(n))
-                    elif QUANT == "static" and not ONCE:
+                    elif QUANT == "static":
                         n = rnd(n)
                     vals[8 * j + k] = n
         q = float32(1.0)

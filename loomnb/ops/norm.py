@@ -239,13 +239,14 @@ def rms_norm_static_fp8_quant(x, weight, scale, eps, *, out=None, check_scale=Fa
                               rounding="once", stream=None, launch_key=None):
     """RMSNorm then static FP8 E4M3 quantisation: ``out = e4m3(clamp(n * (1/scale), +-448))``.
 
-    ``rounding="once"`` (default, vLLM 0.24's compiled kernel): ``n = f(x) * inv * f(weight)``
-    in float32, quantised directly -- one rounding, to FP8. ``rounding="twice"``: ``n =
-    f(rms_norm(x))``, rounded twice to ``x``'s dtype first (HF's norm, then a quantiser: vLLM's
-    ``forward_native`` followed by ``static_scaled_fp8_quant``). ``inv`` as :func:`rms_norm`;
-    ``1/scale`` is computed once in float32 and multiplied (vLLM's static kernels do not
-    divide). Units: stored = real / scale. The two forms differ by one FP8 code step on about
-    2% of bf16 outputs (0.04% of fp16); for float32 inputs they are the same.
+    ``n = f(rms_norm(x, rounding=rounding))``: the norm in ``x``'s dtype, then quantised.
+    ``rounding="once"`` (default, vLLM 0.24's compiled kernel): ``n = f(r(f(x) * inv *
+    f(weight)))``, as vLLM's ``rms_norm`` followed by ``static_scaled_fp8_quant``;
+    ``rounding="twice"``: ``n = f(r(f(r(f(x) * inv)) * f(weight)))`` (HF's norm, vLLM's
+    ``forward_native``, then the quantiser). ``inv`` as :func:`rms_norm`; ``1/scale`` is
+    computed once in float32 and multiplied (vLLM's static kernels do not divide). Units:
+    stored = real / scale. The two forms differ by one FP8 code step on about 1.5% of bf16
+    outputs (0.2% of fp16); for float32 inputs they are the same.
 
     Args:
         x: ``[..., hidden_size]`` bf16/fp16/fp32, rows as :func:`rms_norm`; not modified.
@@ -284,8 +285,8 @@ def fused_add_rms_norm_static_fp8_quant(x, residual, weight, scale, eps, *, out=
                                         launch_key=None):
     """Residual add, RMSNorm, static FP8: ``residual <- z = r(x + residual)``, ``out =
     e4m3(clamp(n * (1/scale)))`` with ``n`` of the rounded sum ``z`` as in
-    :func:`rms_norm_static_fp8_quant` (``rounding="once"``, default: ``f(z) * inv * f(weight)``
-    in float32; ``"twice"``: ``f(rms_norm(z))``). ``x`` is **not** modified.
+    :func:`rms_norm_static_fp8_quant`: ``n = f(rms_norm(z, rounding=rounding))`` (``"once"``,
+    the default, as vLLM 0.24's compiled op). ``x`` is **not** modified.
 
     Shapes, dtypes, scale, ``check_scale``, ``rounding`` and errors as
     :func:`rms_norm_static_fp8_quant` and :func:`fused_add_rms_norm`. Returns ``(out, residual)``; mutates ``out`` and ``residual``.

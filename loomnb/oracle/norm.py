@@ -5,9 +5,9 @@ With ``f`` = widen to float32 and ``r`` = round to the activation dtype T (:func
 * ``rms_norm``: ``inv = 1 / sqrt(sum(f(x)^2) / H + eps)``, ``y = r(f(r(f(x)*inv)) * f(w))``
   (``rounding="twice"``) or ``y = r(f(x) * inv * f(w))`` (``"once"``);
 * ``fused_add_rms_norm``: ``z = r(f(x) + f(residual))``; residual <- z; x <- rms_norm(z);
-* static FP8: ``q = e4m3(clamp(n * (1/scale)))`` with ``n = f(x) * inv * f(w)`` in float32
-  (``rounding="once"``, vLLM 0.24's compiled kernels) or ``n = f(y)``, ``y`` the rounded-twice
-  norm (``"twice"``); the fused-add form normalises z;
+* static FP8: ``q = e4m3(clamp(f(y) * (1/scale)))``, ``y`` the norm in T as ``rms_norm`` with
+  the same ``rounding`` (``"once"``, the default: vLLM 0.24's compiled kernels); the fused-add
+  form normalises z;
 * dynamic per-token FP8: ``s = f(x) [+ f(residual)]`` kept in fp32 (residual <- r(s)),
   ``n = f(r(f(r(s*inv)) * f(w)))``, ``scale = max(min(amax(|n|), scale_ub)/448, 1/(448*512))``,
   ``q = e4m3(clamp(n / scale))`` with a true division.
@@ -76,11 +76,7 @@ def rms_norm_static_fp8_quant(x, weight, scale, eps, *, out=None, check_scale=Fa
     """Reference ``rms_norm_static_fp8_quant``: FP8 E4M3 ``out`` (allocated when None)."""
     x = np.asarray(x)
     s = _rows(x).astype(np.float32)
-    if rounding == "once":
-        with np.errstate(invalid="ignore", over="ignore"):
-            y = s * _inv_rms(s, eps) * np.asarray(weight).astype(np.float32)
-    else:
-        y = _normed(s, weight, eps, x.dtype).astype(np.float32)
+    y = _normed(s, weight, eps, x.dtype, rounding).astype(np.float32)
     inv_s = np.float32(1.0) / np.float32(np.asarray(scale, dtype=np.float32).reshape(-1)[0])
     with np.errstate(invalid="ignore", over="ignore"):
         codes = e4m3_encode(clamp_fp8(y * inv_s)).reshape(x.shape)
