@@ -68,6 +68,8 @@
 #   bash scripts/gpu_session.sh S   # one GPU, first bundle of numpy,vllm,model: xdist suite, memcheck,
 #                                   # racecheck detached; S2 (after the last bundle, through Y): the
 #                                   # model/vLLM tests and bench_overhead.py against vLLM's ops
+#   bash scripts/gpu_session.sh O   # one GPU: the GPU suite in plain order, four processes over
+#                                   # contiguous quarters of the sorted test files (FUZZ examples)
 #   bash scripts/gpu_session.sh Y [CMD]  # after X, with each later bundle: run CMD, then collect the
 #                                   # detached runs' logs so far
 # Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
@@ -188,6 +190,21 @@ elif [ "$part" = S2 ]; then  # session 9, after the last bundle (env.sh sourced)
     > /tmp/res_bg/overhead.log 2>&1
   echo "overhead rc=$?" >> /tmp/res_bg/overhead.log
   tail -2 /tmp/res_bg/pytest_xdist.log; tail -3 /tmp/res_bg/pytest_staged.log; grep -E "rms_norm \(out=\)|vllm|rc=" /tmp/res_bg/overhead.log
+  exit 0
+elif [ "$part" = O ]; then  # session 9: the GPU suite in plain order (no xdist), as four processes side
+  # by side, each over a contiguous quarter of the sorted test files, in file and test order
+  files=$(ls tests/test_*.py)
+  q() { echo "$files" | awk -v lo="$1" -v hi="$2" '$0 >= lo && $0 < hi'; }
+  i=0
+  for range in "tests/test_a tests/test_c" "tests/test_c tests/test_l" "tests/test_l tests/test_s" "tests/test_s tests/test_~"; do
+    set -- $range
+    LOOMNB_FUZZ_EXAMPLES=${FUZZ:-10} timeout ${O_LIMIT:-520} python3 -m pytest -q -rfEs -m gpu $(q "$1" "$2") \
+      -p no:cacheprovider -p no:xdist > "$R/pytest_plain_$i.log" 2>&1 &
+    i=$((i + 1))
+  done
+  wait
+  for f in "$R"/pytest_plain_*.log; do echo "$f: $(tail -1 "$f")"; done
+  report 0
   exit 0
 elif [ "$part" = Y ]; then  # after part X: what the detached runs wrote so far, then ARGS (a command)
   shift; [ $# -gt 0 ] && timeout ${Y_LIMIT:-300} bash -c "$*" > "$R/y.log" 2>&1
