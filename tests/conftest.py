@@ -96,7 +96,7 @@ def _split_counters_left_at_zero(request):
         import torch
         torch.cuda.synchronize()
     bad = []
-    for key, ws in list(sampling._workspaces.items()):
+    for key, ws in list(sampling._workspaces.items()) + [("retired", w) for w in sampling._retired]:
         c = ws.counters
         if isinstance(c, np.ndarray):  # the simulator's
             h = c

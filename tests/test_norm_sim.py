@@ -106,8 +106,8 @@ def test_static_fp8_quant(kind, num_tokens, hidden_size):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rounding", ["once", "twice"])
 def test_static_fp8_rounding_modes(kind, rounding):
-    """``rounding="once"`` (the default, vLLM 0.24's compiled kernels) quantises the float32
-    ``x * inv * w``; ``"twice"`` quantises the norm rounded to the activation dtype: both
+    """``rounding="once"`` (the default, vLLM 0.24's compiled kernels) quantises ``r(x * inv *
+    w)``, the norm rounded once to the activation dtype; ``"twice"`` the two-rounding norm: both
     equal their oracle, plain and fused-add; for 16-bit inputs the two differ on some codes,
     for float32 they are the same."""
     rng = np.random.default_rng(5)

@@ -279,5 +279,5 @@ def test_min_p_rows_past_the_workspace_records(monkeypatch):
         loomnb.oracle.min_p_filter_(want, mp, "v2")
         assert_bits(got, want, f"{rows} rows")
     (ws,) = S._workspaces.values()
-    assert ws.f.shape[0] == 7 and len(S._retired) == 1, "grown once, the first set kept"
+    assert ws.f.shape[0] == 8 and len(S._retired) == 1, "grown once (to a power of two), the first set kept"
     assert not ws.counters.any()

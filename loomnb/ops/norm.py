@@ -7,8 +7,9 @@ activation dtype before the weight multiply, as HF transformers' ``LlamaRMSNorm`
 ``forward_native`` and vLLM's later kernels do; ``rounding="once"`` rounds only the product,
 ``r(x * inv * w)``, as vLLM 0.24.0's compiled ``rms_norm``/``fused_add_rms_norm`` and FlashInfer
 do (about a quarter of bf16 outputs differ between the two by one ulp). The static FP8 forms
-take the same option with vLLM 0.24's compiled kernels as the default (``"once"``: the float32
-product ``x * inv * w`` is quantised, never rounded to the activation dtype first); the dynamic
+take the same option with vLLM 0.24's compiled kernels as the default, and quantise the norm in
+the activation dtype with ``1/scale`` (``"once"``: ``r(x * inv * w)``, i.e. the plain norm
+followed by ``static_scaled_fp8_quant``); the dynamic
 per-token form rounds twice, like vLLM's kernel. ``docs/numerics.md`` has the family's numerics in one place.
 
 Bytes moved (the benchmark's model), per row of hidden_size H and element size b:

@@ -293,9 +293,9 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
             ``float8_e4m3fn`` / ``float8_e5m2``.
         slot_mapping: int64 ``[num_tokens]``, ``num_tokens <= num_tokens_padded``; each -1
             (padding) or below ``num_blocks * block_size``. Out-of-range slots are unchecked
-            device writes unless ``check_indices=True``. Slots other than -1 are distinct (as
-            vLLM's scheduler assigns them); two tokens with one slot race, and which one the
-            slot holds is unspecified (as in vLLM's op).
+            device writes unless ``check_indices=True``. Slots other than -1 must be distinct
+            (as vLLM's scheduler assigns them); if two tokens share a slot they race, and which
+            one the slot holds is unspecified (as in vLLM's op).
         kv_cache_dtype: ``"auto"``, ``"fp8"`` (= ``"fp8_e4m3"``), ``"fp8_e4m3"``, ``"fp8_e5m2"``.
         k_scale, v_scale: float32 device arrays of shape ``[1]`` or ``[num_kv_heads]``; ignored
             (may be None) for ``"auto"``. Not range-checked (a device read): a zero scale

@@ -99,7 +99,8 @@ def force_splits(n):
 
 # ---------------------------------------------------------------- workspace
 _workspaces = {}  # (library, device, stream handle) -> _Workspace
-_retired = []  # workspaces replaced by larger ones: kept, as a captured CUDA graph may use them
+_retired = []  # workspaces replaced by larger ones: kept, as captured CUDA graphs and remembered
+#                fast-path launches still point at them
 
 
 class _Workspace:
@@ -110,21 +111,23 @@ def _workspace(like, stream, records):
     """Per-split records and per-row counters, one set per (device, stream): launches on one
     stream are ordered, so they may share it; the last block of each row leaves its counter at
     0 (``atomicInc`` wraps), so it is zero at every launch, CUDA-graph replays included. Made
-    zeroed, never freed (a captured graph keeps pointing at it), with room for ``MAX_RECORDS``
-    records or the launch's ``records`` (num_rows x splits) if more: Min-P writes a record for
-    every block, one per row when rows are many, so more than ``MAX_RECORDS`` rows get a larger
-    set (the smaller one is kept alive, not reused)."""
+    zeroed (ordered before the launch on its stream), never freed (a captured graph keeps
+    pointing at it), with room for ``MAX_RECORDS`` records or the launch's ``records`` (num_rows
+    x splits) if more, rounded up to a power of two: Min-P writes a record for every block, one
+    per row when rows are many, so more than ``MAX_RECORDS`` rows get a larger set (the smaller
+    one is kept alive, not reused)."""
     handle = 0 if like.lib == "numpy" else ad.stream_handle(like, stream)
     key = (like.lib, like.device, handle)
     ws = _workspaces.get(key)
     if ws is None or ws.f.shape[0] < records:
         if ws is not None:
             _retired.append(ws)
-        n = max(MAX_RECORDS, records)
+        n = max(MAX_RECORDS, 1 << (records - 1).bit_length())
         ws = _Workspace()
         ws.f = _zeros(like, (n, NF), "float64")
         ws.i = _zeros(like, (n, NI), "int64")
         ws.counters = _zeros(like, (n,), "int32")  # read as uint32 by the kernel
+        _after_zeroing(like, handle)
         _workspaces[key] = ws
     return ws
 
@@ -142,6 +145,20 @@ def _zeros(like, shape, dtype):
     from numba import cuda
     with cuda.gpus[like.device]:
         return cuda.to_device(np.zeros(shape, dtype))
+
+
+def _after_zeroing(like, handle):
+    """The zero fills ran on torch's current stream: when the launch goes to another stream,
+    wait for them (once per workspace; not while a graph is being captured, where the capture
+    orders them)."""
+    if like.lib != "torch":
+        return  # numpy; numba's to_device copies synchronously
+    t = ad._torch
+    if t.cuda.is_current_stream_capturing():
+        return
+    cur = t.cuda.current_stream(like.obj.device)
+    if cur.cuda_stream != handle:
+        cur.synchronize()
 
 
 def _ws_param(obj, storage, like):
@@ -211,7 +228,7 @@ def _launch_logprob(op, spec, la, ta, tok, idx, lp, rank, k, stream, key):
     if splits > 1:  # records (and a counter a row) only when rows are split
         assert R * splits <= MAX_RECORDS
     spec = LogprobSpec(spec.kind, spec.sampler, spec.given, spec.topk, "vec" if vec else "scalar")
-    ws = _workspace(la, stream, 0)
+    ws = _workspace(la, stream, R * splits if splits > 1 else 0)
     lp_view = lp if lp.ndim == 2 else lp.view((R, 1), (lp.strides[0], 1))
     params = [L.array(la, words=vec),
               L.array(ta) if ta is not None else L.absent("int64", 1),
