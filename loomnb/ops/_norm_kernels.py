@@ -259,11 +259,10 @@ def _cached(spec):
                         n = vals[8 * j + k] * inv * wv[8 * j + k]
                     else:
                         n = rnd(vals[8 * j + k] * inv) * wv[8 * j + k]
+                    if QUANT != "none":  # both FP8 forms quantise the norm in T
+                        n = rnd(n)
                     if QUANT == "dynamic":
-                        n = rnd(n)
                         amax = fmax_nan(amax, abs(n))
-                    elif QUANT == "static":
-                        n = rnd(n)
                     vals[8 * j + k] = n
         q = float32(1.0)
         rq = float32(1.0)

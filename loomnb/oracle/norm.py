@@ -75,8 +75,7 @@ def rms_norm_static_fp8_quant(x, weight, scale, eps, *, out=None, check_scale=Fa
                               rounding="once", stream=None):
     """Reference ``rms_norm_static_fp8_quant``: FP8 E4M3 ``out`` (allocated when None)."""
     x = np.asarray(x)
-    s = _rows(x).astype(np.float32)
-    y = _normed(s, weight, eps, x.dtype, rounding).astype(np.float32)
+    y = rms_norm(x, weight, eps, rounding=rounding).astype(np.float32)  # the norm in T
     inv_s = np.float32(1.0) / np.float32(np.asarray(scale, dtype=np.float32).reshape(-1)[0])
     with np.errstate(invalid="ignore", over="ignore"):
         codes = e4m3_encode(clamp_fp8(y * inv_s)).reshape(x.shape)
