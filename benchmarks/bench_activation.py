@@ -334,7 +334,9 @@ class Liger(H.Provider):
 
 
 _A = "loomnb.ops.activation"
-TUNED = [H.tuned(Loomnb, _A, "u2", LARGE_CHUNK_UPT=2, SMALL_CHUNK_UPT=2)]  # --tune: 2 units a thread at every size
+TUNED = [H.tuned(Loomnb, _A, "u2", LARGE_CHUNK_UPT=2, SMALL_CHUNK_UPT=2),  # --tune: 2 units a thread at every size
+         H.tuned(Loomnb, _A, "units", SMALL_LAYOUT_WORK=-1),      # never the small layout
+         H.tuned(Loomnb, _A, "small", SMALL_LAYOUT_WORK=2 ** 40)]  # the small layout wherever it applies
 PROVIDERS = {p.name: p for p in (Loomnb, Vllm, VllmPerBlock, FlashInfer, Torch,
                                  H.compiled(Torch), Liger, *TUNED)}
 

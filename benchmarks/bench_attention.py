@@ -34,7 +34,8 @@ Providers (each skips with a logged reason when it cannot run):
   table, compiled): off by default;
 * ``loomnb_t256``, ``loomnb_t64`` (CTA size), ``loomnb_w1``, ``loomnb_w4`` (split target CTAs
   per SM), ``loomnb_m512``, ``loomnb_m64``, ``loomnb_m32`` (tokens per split), ``loomnb_tt2``,
-  ``loomnb_tt8`` (tokens per tile), ``loomnb_e8``, ``loomnb_e16`` (elements per lane)
+  ``loomnb_tt8`` (tokens per tile), ``loomnb_e8``, ``loomnb_e16`` (elements per lane),
+  ``loomnb_s64``, ``loomnb_s128`` (contexts from 64 / 128 tokens split, 32 / 64 tokens a split)
   (``--tune``): loomnb with one of ``loomnb.ops.attention``'s constants changed, to tune them.
 
 Bytes model: the visible keys and values, read once (``num_seqs * context * num_kv_heads *
@@ -154,7 +155,9 @@ TUNED = [H.tuned(Loomnb, _A, "t256", DECODE_THREADS=256), H.tuned(Loomnb, _A, "t
          H.tuned(Loomnb, _A, "tt8", TOKENS_PER_TILE=8), H.tuned(Loomnb, _A, "e8", ELEMENTS_PER_LANE=8),
          H.tuned(Loomnb, _A, "e16", ELEMENTS_PER_LANE=16),
          H.tuned(Loomnb, _A, "gc1", MAX_HEADS_PER_CTA=1), H.tuned(Loomnb, _A, "gc2", MAX_HEADS_PER_CTA=2),
-         H.tuned(Loomnb, _A, "gc1_t64", MAX_HEADS_PER_CTA=1, DECODE_THREADS=64, MAX_DECODE_THREADS=64)]
+         H.tuned(Loomnb, _A, "gc1_t64", MAX_HEADS_PER_CTA=1, DECODE_THREADS=64, MAX_DECODE_THREADS=64),
+         H.tuned(Loomnb, _A, "s64", SPLIT_MIN_CONTEXT=64, MIN_SPLIT_TOKENS=32),
+         H.tuned(Loomnb, _A, "s128", SPLIT_MIN_CONTEXT=128, MIN_SPLIT_TOKENS=64)]
 
 
 class Torch(H.Provider):

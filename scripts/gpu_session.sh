@@ -70,6 +70,14 @@
 #                                   # model/vLLM tests and bench_overhead.py against vLLM's ops
 #   bash scripts/gpu_session.sh O   # one GPU: the GPU suite in plain order, four processes over
 #                                   # contiguous quarters of the sorted test files (FUZZ examples)
+#   bash scripts/gpu_session.sh U   # one GPU, after staging numpy,vllm,fa3,model (session 10): the GPU
+#                                   # suite (xdist), memcheck/racecheck of the small shapes, decode
+#                                   # attention at decode sizes (--tune: split from 64/128 tokens) vs
+#                                   # FA3, the decode-latency probe, and the graphed loop before
+#                                   # (.gpu-base/loomnb, carried: the previous commit's package)
+#                                   # and after, one process each
+#   bash scripts/gpu_session.sh U2  # after U: the small-call activation benchmark (SmolLM2's and
+#                                   # Llama-8B's widths, the small layout on and off) vs vLLM
 #   bash scripts/gpu_session.sh Y [CMD]  # after X, with each later bundle: run CMD, then collect the
 #                                   # detached runs' logs so far
 # Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
@@ -205,6 +213,32 @@ elif [ "$part" = O ]; then  # session 9: the GPU suite in plain order (no xdist)
   wait
   for f in "$R"/pytest_plain_*.log; do echo "$f: $(tail -1 "$f")"; done
   report 0
+  exit 0
+elif [ "$part" = U ]; then
+  timeout 240 python3 -m pytest -q -rfEs -m gpu -n 8 tests -p no:cacheprovider > "$R/pytest_xdist.log" 2>&1
+  echo "pytest xdist rc=$?" >> "$R/pytest_xdist.log"
+  sanitize memcheck 60 tests/test_attention_gpu.py -k memcheck_small_shapes
+  sanitize racecheck 60 tests/test_attention_gpu.py -k memcheck_small_shapes
+  bench 0 attention 110 benchmarks/bench_attention.py --tune --geometries 9/3/64,32/8/128 --caches bf16 \
+    --batches 1,8 --context 128,512,2048 --providers loomnb,loomnb_s64,loomnb_s128,fa3 --no-exact \
+    --repeats 7 --target-ms 1
+  bench 0 probe 70 benchmarks/probe_decode_latency.py --tokens 1,8
+  for which in base new; do
+    pp=$PYTHONPATH; [ $which = base ] && pp=$PWD/.gpu-base:$PYTHONPATH
+    mkdir -p "$R/decode_$which"
+    PYTHONPATH=$pp timeout 100 python3 benchmarks/bench_decode.py --out "$R/decode_$which" --batches 1,64 \
+      --contexts 128,2048 --providers loomnb-cuda --modes graph --orders forward --steps 24 --profile \
+      > "$R/decode_$which.log" 2>&1
+    echo "=== decode $which rc=$?" >> "$R/bench_0.log"
+    grep -E "^(forward|reversed) +loomnb" "$R/decode_$which.log" >> "$R/bench_0.log"
+  done
+  report 40
+  exit 0
+elif [ "$part" = U2 ]; then
+  bench 0 activation 200 benchmarks/bench_activation.py --tune --ops silu_and_mul --d 1536,14336 \
+    --num-tokens 1,8,32,128,1024,4096 --providers loomnb,loomnb_units,loomnb_small,vllm,torch_compile --no-exact \
+    --repeats 7 --target-ms 1
+  report 40
   exit 0
 elif [ "$part" = Y ]; then  # after part X: what the detached runs wrote so far, then ARGS (a command)
   shift; [ $# -gt 0 ] && timeout ${Y_LIMIT:-300} bash -c "$*" > "$R/y.log" 2>&1

@@ -81,23 +81,23 @@ def vllm_c():
 
 @pytest.fixture(autouse=True)
 def _split_counters_left_at_zero(request):
-    """GPU tests: the sampling family's split counters (one per row, per stream's workspace) are
-    0 after every test -- the last block of each row leaves its counter at 0, and a nonzero one
-    makes the next launch finish that row early (wrong results) or never. A failure here names
-    the test after which a counter was left set: that test, or a kernel it ran writing out of
-    its bounds into the workspace, is the defect."""
+    """The split counters (``loomnb.ops._workspace``: one buffer per stream, shared by the
+    sampling tail's split rows and the split-K decode attention) are 0 after every test -- the
+    last block of each row leaves its counter at 0, and a nonzero one makes the next launch
+    finish that row early (wrong results) or never. A failure here names the test after which
+    a counter was left set: that test, or a kernel it ran writing out of its bounds into the
+    workspace, is the defect."""
     yield
     import sys
-    sampling = sys.modules.get("loomnb.ops.sampling")
-    if sampling is None or not sampling._workspaces:
+    W = sys.modules.get("loomnb.ops._workspace")
+    if W is None or not W.all_counters():
         return
     import numpy as np
     if HAS_GPU:
         import torch
         torch.cuda.synchronize()
     bad = []
-    for key, ws in list(sampling._workspaces.items()) + [("retired", w) for w in sampling._retired]:
-        c = ws.counters
+    for key, c in W.all_counters():
         if isinstance(c, np.ndarray):  # the simulator's
             h = c
         elif hasattr(c, "copy_to_host"):  # a numba device array
@@ -106,7 +106,7 @@ def _split_counters_left_at_zero(request):
             h = c.cpu().numpy()
         nz = np.flatnonzero(h)
         if nz.size:
-            bad.append(f"{key}: rows {nz[:8].tolist()} = {h[nz[:8]].tolist()}")
+            bad.append(f"{key}: counters {nz[:8].tolist()} = {h[nz[:8]].tolist()}")
             if isinstance(c, np.ndarray):  # zeroed so that later tests start clean
                 c[...] = 0
             elif hasattr(c, "copy_to_device"):
@@ -114,4 +114,4 @@ def _split_counters_left_at_zero(request):
             else:
                 c.zero_()
     if bad:
-        pytest.fail("sampling split counters left nonzero after this test: " + "; ".join(bad))
+        pytest.fail("split counters left nonzero after this test: " + "; ".join(bad))

@@ -678,7 +678,7 @@ def _(rng, d, kind, special):
 # ---------------------------------------------------------------- what a serving loop grows
 # The sizes each grown dimension takes in the no-recompile tests: past every size rule of the
 # families (activation: 1, 2 and 4 units a thread at 33,792 and 2^20 units; attention: 1/2/4
-# heads a CTA, the vector lanes past a wave, the split merge from 256 tokens).
+# heads a CTA, the vector lanes past a wave, split-K from 256 tokens).
 GROWN_SIZES = {"num_tokens": (1, 3, 250, 20000, 400000), "num_rows": (1, 3, 250, 20000),
                "num_reqs": (1, 3, 250, 2000), "num_seqs": (1, 3, 64, 300),
                "seq_len": (1, 40, 300, 5000)}

@@ -349,6 +349,43 @@ def test_block_size_sweep(name, args):
     block_size_sweep(lambda: getattr(loomnb, name)(x, *args), check, threads=(32, 64, 256))
 
 
+SMALL_GATED = ["silu_and_mul", "mul_and_silu", "gelu_and_mul", "gelu_tanh_and_mul", "fatrelu_and_mul"]
+
+
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
+@pytest.mark.parametrize("name", SMALL_GATED)
+def test_small_layout_equals_the_unit_layout_and_the_oracle(monkeypatch, name, kind):
+    """Decode-size gated activations take the small layout (one word, two outputs, a thread;
+    rows from blockIdx.y): 3 rows of 36 words on blocks of 32 threads (the second block
+    partial), and 2 x 3 rows that merge into one dimension -- bit-identical to the oracle and
+    to the 8-outputs-a-thread layout that larger calls take. Rows whose leading dimensions do
+    not merge, or an unaligned row, take the unit layouts."""
+    rng = np.random.default_rng(7)
+    specs, launch = [], L.launch
+    monkeypatch.setattr(L, "launch", lambda f, spec, *a, **k: (specs.append(spec), launch(f, spec, *a, **k)))
+    x = random_rows(rng, 6, 2 * 72, kind, 3.0)
+    kw = _kwargs(name)
+    want = getattr(loomnb.oracle, name)(x, **kw)
+    for shape in ((6, 144), (2, 3, 144)):
+        with L.force_threads(32):
+            got = getattr(loomnb, name)(x.reshape(shape), **kw)
+        assert_same(got.reshape(6, 72), want, f"{name} small {shape}")
+    assert [s.layout for s in specs] == ["small", "small"]
+    monkeypatch.setattr(act_ops, "SMALL_LAYOUT_WORK", -1)
+    assert_same(getattr(loomnb, name)(x, **kw), want, f"{name} units")
+    assert specs[-1].layout == "vector" and specs[-1].upt == 1
+    monkeypatch.undo()
+    buf = random_rows(rng, 2, 3 * 144 + 8, kind, 3.0)
+    specs, launch = [], L.launch
+    monkeypatch.setattr(L, "launch", lambda f, spec, *a, **k: (specs.append(spec), launch(f, spec, *a, **k)))
+    unmerged = buf[:, :2 * 144].reshape(2, 2, 144)  # rows 3 * 144 + 8 apart: no single row stride
+    shifted = buf[:, 1:145]  # rows 2 bytes off 16: the element-wise layout
+    for xx in (unmerged, shifted):
+        assert_same(getattr(loomnb, name)(xx, **kw), getattr(loomnb.oracle, name)(np.ascontiguousarray(xx), **kw),
+                    f"{name} {xx.shape}")
+    assert [s.layout for s in specs] == ["vector", "scalar"]
+
+
 @pytest.mark.parametrize("name, args", [("silu_and_mul", ()), ("gelu_and_mul", ()),
                                         ("per_token_group_quant_fp8", (64,)),
                                         ("per_token_group_quant_fp8", (128,)),
@@ -363,6 +400,7 @@ def test_chunked_sinks_with_two_and_four_units_a_thread(monkeypatch, name, args,
     a row of 144 units is two chunks and the second is partial; the element-wise layout for
     rows that are not 16-byte aligned."""
     monkeypatch.setattr(act_ops, "SMALL_WORK", -1)
+    monkeypatch.setattr(act_ops, "SMALL_LAYOUT_WORK", -1)
     monkeypatch.setattr(act_ops, "LARGE_WORK", 0 if upt == 4 else 2 ** 40)
     rng = np.random.default_rng(23)
     gated = name.startswith(("silu", "gelu"))

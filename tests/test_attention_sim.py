@@ -148,6 +148,20 @@ def test_split_k_and_its_merge(monkeypatch):
     assert A.num_splits(3, 1, 1, 15) == 1
 
 
+@pytest.mark.parametrize("num_heads, num_kv_heads, max_gc", [(7, 1, 4), (6, 2, 2)])
+def test_split_k_merge_by_the_last_split_cta(num_heads, num_kv_heads, max_gc, monkeypatch):
+    """The last split CTA of each (sequence, KV head, head chunk) merges its heads' splits:
+    chunks of 4 + 3 heads (the second one short), 2 KV heads of 2 heads a CTA, 3 sequences x 5
+    splits (one sequence empty, one with empty splits) -- all equal the oracle, the LSE
+    included, and every split counter is 0 after the launch (``conftest``'s check)."""
+    monkeypatch.setattr(A, "MIN_SPLIT_TOKENS", 8)
+    monkeypatch.setattr(A, "SPLIT_MIN_CONTEXT", 16)
+    monkeypatch.setattr(A, "MAX_HEADS_PER_CTA", max_gc)
+    case = make_case(51 + num_heads, seq_lens=[37, 2, 0], num_heads=num_heads,
+                     num_kv_heads=num_kv_heads, head_size=8, block_size=4)
+    check(case, f"{num_heads}/{num_kv_heads}, {max_gc} heads a CTA, splits", threads=32)
+
+
 def test_split_rule():
     assert A.num_splits(8, 8, 1, 4096) == 5 and A.num_splits(32, 8, 1, 4096) == 2
     assert A.num_splits(128, 8, 1, 1024) == 1 and A.num_splits(32, 8, 1, 32) == 1

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 import loomnb
+from loomnb import _adapter as ad
 from loomnb.ops import _launch as L
+from loomnb.ops import _workspace as W
 from loomnb.ops import sampling as S
 
 from family import assert_bits, out_given_and_not
@@ -236,7 +238,7 @@ def test_outputs_given_empty_batch_and_counters_reset():
     tok, lp, rank = loomnb.greedy_sample_logprob(empty)
     assert tok.shape == lp.shape == rank.shape == (0,)
     loomnb.min_p_filter_(empty, np.zeros(0, np.float32))
-    ws = S._workspaces[("numpy", 0, 0)]
+    ws = S._workspace(ad.wrap("test", "logits", x), None, 0)
     assert not ws.counters.any(), "the last block of each row leaves its counter at 0"
     before = x.copy()
     run(3, 32, lambda: loomnb.top_k_logprobs(x, 2))
@@ -268,8 +270,8 @@ def test_min_p_rows_past_the_workspace_records(monkeypatch):
     not writes past its end -- on the GPU those landed in the split counters and broke the
     next split launch's rows (``MAX_RECORDS`` shrunk to 4 here: the simulator bounds-checks)."""
     monkeypatch.setattr(S, "MAX_RECORDS", 4)
-    monkeypatch.setattr(S, "_workspaces", {})
-    monkeypatch.setattr(S, "_retired", [])
+    monkeypatch.setattr(W, "_buffers", {})
+    monkeypatch.setattr(W, "_retired", [])
     rng = np.random.default_rng(3)
     for rows in (2, 7):
         x = logits(rng, rows, 16)
@@ -278,6 +280,7 @@ def test_min_p_rows_past_the_workspace_records(monkeypatch):
         run(None, 32, lambda: loomnb.min_p_filter_(got, mp, "v2"))
         loomnb.oracle.min_p_filter_(want, mp, "v2")
         assert_bits(got, want, f"{rows} rows")
-    (ws,) = S._workspaces.values()
-    assert ws.f.shape[0] == 8 and len(S._retired) == 1, "grown once (to a power of two), the first set kept"
+    ws = S._workspace(ad.wrap("test", "logits", x), None, 0)
+    assert ws.f.shape[0] == ws.i.shape[0] == 8, "grown once, to a power of two"
+    assert [k[0] for k, _ in W._retired] == ["sampling.f", "sampling.i"], "the first set kept"
     assert not ws.counters.any()

@@ -65,7 +65,7 @@ def r3(a, lead):
 # ---------------------------------------------------------------- the launch
 def launch_act(op, spec, lead, ov, xv, d, *, scales=None, scale=None, partials=None, p0=0.0,
             p1=0.0, grid, threads, stream, key, part=(0, 1)):
-    vec = spec.layout == "vector"
+    vec = spec.layout != "scalar"  # "vector" and "small": uint32 words
     params = [L.array(r3(ov, lead), words=vec), L.array(r3(xv, lead), words=vec),
               scales if scales is not None else L.absent("float32", 2),
               L.array(scale) if scale is not None else L.absent("float32", 1),

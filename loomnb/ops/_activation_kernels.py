@@ -28,7 +28,9 @@ or 16 consecutive lanes. Chunked sinks (none, static, tensor, group) split a row
 ``b // chunks``; the per-tensor last pass walks it backwards, so the rows its amax pass read
 last, still in L2, come first); ``"token"`` needs the whole row in one block: ``upt`` units a thread held
 in registers (all loads in flight), or ``upt = 0`` for rows too long for that: loop, reduce,
-loop again (the second read mostly hits L1/L2).
+loop again (the second read mostly hits L1/L2). Layout ``"small"`` (decode-size calls of the
+gated activations, no quant: :func:`_small`) gives each thread one 32-bit word -- two outputs --
+of a 2-D grid, the row from ``blockIdx.y``: no division before the first load.
 
 Rows are 1-D views ``x[i0, i1]`` of 3-D row arrays ``[n0, n1, row]`` (``n0 = 1`` with stride 0
 when the leading dimensions merge into one); the row index comes from ``blockIdx.x`` (32-bit:
@@ -72,6 +74,8 @@ TOKEN_UPT = (2, 4)      # units a thread holds in the register-cached per-token 
 AMAX_UPT = 4            # rows whose units a thread of the amax pass has in flight at once
                         # (vector layout; the element-wise one has 8 loads a unit already: 1)
 KINDS = ("bf16", "f16", "f32")
+LAYOUTS = ("vector", "scalar", "small")
+SMALL_ACTS = ("silu", "mul_silu", "gelu", "gelu_tanh", "fatrelu")  # gated halves, no quant
 
 F32 = np.float32
 ONE, HALF, ZERO = F32(1.0), F32(0.5), F32(0.0)
@@ -91,12 +95,13 @@ class ActSpec:
     group: int = 0              # quant == "group": GROUP_SIZES
     ue8m0: bool = False         # group scales rounded up to powers of two
     scale_ub: bool = False      # token: clip the amax by scale[0]
-    layout: str = "vector"      # "vector" or "scalar"
+    layout: str = "vector"      # LAYOUTS
     upt: int = CHUNK_UPT        # units a thread holds (token: TOKEN_UPT or 0 = reread loop)
 
     def __post_init__(self):
         assert self.kind in KINDS and self.act in ACTS and self.quant in QUANTS
-        assert self.numerics in NUMERICS and self.layout in ("vector", "scalar")
+        assert self.numerics in NUMERICS and self.layout in LAYOUTS
+        assert self.layout != "small" or small_ok(self)
         assert (self.group in GROUP_SIZES) == (self.quant == "group")
         assert not self.ue8m0 or (self.quant == "group" and self.numerics == "unfused")
         assert not self.scale_ub or self.quant == "token"
@@ -117,6 +122,13 @@ def chunk_upts(spec):
     return CHUNK_UPTS[:2] if spec.act != "none" and spec.quant == "group" else CHUNK_UPTS
 
 
+def small_ok(spec):
+    """Whether ``spec`` has the ``"small"`` layout: a gated activation of two halves (not
+    SwiGLU-OAI's interleaved pairs), a 2-byte dtype, no quantisation, unfused numerics."""
+    return (spec.act in SMALL_ACTS and spec.quant == "none" and spec.kind in ("bf16", "f16")
+            and spec.numerics == "unfused")
+
+
 def size_siblings(spec):
     """The ``(factory, spec, argtypes)`` a call of another num_tokens could launch instead of
     ``spec``: its other widths (units a thread; per-token: the register widths and the reread
@@ -131,13 +143,16 @@ def size_siblings(spec):
         out = [dataclasses.replace(spec, upt=u)
                for u in ((TOKEN_UPT + (0,)) if spec.layout == "vector" else (0,))]
     else:
-        out = [dataclasses.replace(spec, upt=u) for u in chunk_upts(spec)]
+        layout = "vector" if spec.layout == "small" else spec.layout
+        out = [dataclasses.replace(spec, layout=layout, upt=u) for u in chunk_upts(spec)]
+        if small_ok(spec) and layout == "vector":
+            out.append(dataclasses.replace(spec, layout="small", upt=1))
     return [(act_quant_kernel, s, argtypes(s)) for s in out if s != spec]
 
 
 def argtypes(spec):
     """The numba signature of ``act_quant_kernel(spec)``'s parameters."""
-    vec = spec.layout == "vector"
+    vec = spec.layout != "scalar"
     store = storage_dtype(spec.kind)
     xt = "uint32" if vec else store
     ot = "uint32" if vec else (store if spec.quant == "none" else "uint8")
@@ -189,8 +204,9 @@ else:
         return cuda.fma(a, b, c)
 
 
-def _act_fn(spec):
-    """``act8(gv, uv, b, p0, p1)``: the source values of one unit, in place in ``gv[b:b+8]``.
+def _act_fn(spec, pair=False):
+    """``act8(gv, uv, b, p0, p1)``: the source values of one unit, in place in ``gv[b:b+8]``
+    (``pair=True``: ``act2(g0, g1, u0, u1, p0, p1) -> (y0, y1)``, two of them).
 
     Gated sources compute ``a = act(g)`` in float32, round it to T (``r(a)``, two values per
     conversion instruction), and multiply by ``u``; the product's own rounding ``r(a * u)`` is
@@ -236,19 +252,26 @@ def _act_fn(spec):
             return ((uu + ONE) * gg) / (ONE + expf((-gg) * p0))
 
     @device
+    def act2(g0, g1, u0, u1, p0, p1):
+        a0 = a_fn(g0, u0, p0, p1)
+        a1 = a_fn(g1, u1, p0, p1)
+        if ROUND_ACT:
+            a0, a1 = unpack(pack(a1, a0))
+        if MUL:
+            a0 = a0 * u0
+            a1 = a1 * u1
+        if FINAL:
+            a0, a1 = unpack(pack(a1, a0))
+        return a0, a1
+
+    if pair:
+        return act2
+
+    @device
     def act8(gv, uv, b, p0, p1):
         for k in range(0, UNIT, 2):
-            a0 = a_fn(gv[b + k], uv[b + k], p0, p1)
-            a1 = a_fn(gv[b + k + 1], uv[b + k + 1], p0, p1)
-            if ROUND_ACT:
-                a0, a1 = unpack(pack(a1, a0))
-            if MUL:
-                a0 = a0 * uv[b + k]
-                a1 = a1 * uv[b + k + 1]
-            if FINAL:
-                a0, a1 = unpack(pack(a1, a0))
-            gv[b + k] = a0
-            gv[b + k + 1] = a1
+            gv[b + k], gv[b + k + 1] = act2(gv[b + k], gv[b + k + 1], uv[b + k], uv[b + k + 1],
+                                            p0, p1)
 
     return act8
 
@@ -269,6 +292,8 @@ def act_quant_kernel(spec):
         return _amax(spec)
     if spec.quant == "token" and spec.upt == 0:
         return _token_loop(spec)
+    if spec.layout == "small":
+        return _small(spec)
     return _units(spec)
 
 
@@ -280,6 +305,31 @@ def _name(spec):
              "_ub" if spec.scale_ub else "")
     nums = "_perblock" if spec.numerics == "per_block" else ""
     return f"act_{spec.kind}_{spec.act}_{spec.quant}{extra}{nums}_{spec.layout}_upt{spec.upt}"
+
+
+def _small(spec):
+    """The ``"small"`` layout (decode-size gated activations): one 32-bit word -- two outputs --
+    a thread, a 2-D grid of ``(ceil(d / 2 / T), rows)`` blocks, so the first loads are issued
+    after one multiply-add: no row or chunk division, no unit loop (rows from ``blockIdx.y``,
+    the leading dimensions merged into one: ``out``/``x`` are ``[1, rows, *]``). The numerics
+    are the vector layout's (``act2`` is ``act8``'s pair)."""
+    act2 = _act_fn(spec, pair=True)
+    unpack, pack = CODECS[spec.kind].unpack, CODECS[spec.kind].pack
+    G, U = (1, 0) if spec.act == "mul_silu" else (0, 1)  # which half is the gate
+
+    def kernel(out, x, scales, scale, partials, p0, p1, d):
+        w = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        nw = d >> 1
+        if w < nw:
+            row = cuda.blockIdx.y
+            xr = x[0, row]
+            g0, g1 = unpack(xr[G * nw + w])
+            u0, u1 = unpack(xr[U * nw + w])
+            y0, y1 = act2(g0, g1, u0, u1, p0, p1)
+            out[0, row, w] = pack(y1, y0)
+
+    kernel.__name__ = _name(spec)
+    return kernel
 
 
 def _units(spec):
@@ -509,7 +559,8 @@ def op_specs():
 def variants():
     """Every ``(factory, spec, argtypes)`` the family's ops can launch (the PTX test compiles
     them all): both layouts of every op spec, every per-token width (vector layout) and the
-    reread loop (both layouts), and the dequantisation kernels."""
+    reread loop (both layouts), the small layout of the gated activations, and the
+    dequantisation kernels."""
     import dataclasses
     out = []
     for base in op_specs():
@@ -523,6 +574,9 @@ def variants():
             for upt in widths:
                 spec = dataclasses.replace(base, layout=layout, upt=upt)
                 out.append((act_quant_kernel, spec, argtypes(spec)))
+        if small_ok(base):
+            spec = dataclasses.replace(base, layout="small", upt=1)
+            out.append((act_quant_kernel, spec, argtypes(spec)))
     for kind in KINDS:
         spec = DequantSpec(kind)
         out.append((dequant_kernel, spec, dequant_argtypes(spec)))

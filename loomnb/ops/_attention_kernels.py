@@ -1,5 +1,5 @@
-"""Paged decode attention kernels: a split-K pass over the context, its LSE merge, and vLLM's
-``merge_attn_states``. Each factory is specialised by a small frozen spec.
+"""Paged decode attention kernels: a split-K pass over the context whose last split CTA does the
+LSE merge, and vLLM's ``merge_attn_states``. Each factory is specialised by a small frozen spec.
 
 **Decode pass** (:func:`decode_kernel`, :class:`DecodeSpec`). One CTA per ``(sequence, split,
 KV head, head chunk)``: it serves ``GC = spec.gc`` (1 to 4) query heads of one KV head, so a KV
@@ -36,9 +36,14 @@ costs ``2 * EPL`` registers a thread.
   log2 l) * ln 2`` (one split) or the split's float32 partial ``(acc * v_scale, m, l)``.
   No visible key: ``out = 0``, ``lse = -inf``. No epsilon anywhere.
 
-**Split merge** (:func:`split_merge_kernel`): per (sequence, head), ``M = max m_p``, ``w_p =
-exp2(m_p - M)``, ``out = r(sum_p w_p acc_p / sum_p w_p l_p)``, ``lse = (M + log2(sum w l)) *
-ln 2``.
+**Split merge**, in the same kernel: with ``P > 1`` splits each CTA writes its partial,
+fences, and takes a ticket with ``atomicInc(counters[(s * Hk + hk) * NC + c], P - 1)``
+(:mod:`loomnb.ops._workspace`: the counter wraps back to 0, so it is 0 at every launch); the
+CTA that draws ``P - 1`` is the last of its (sequence, KV head, head chunk) and merges the
+splits of its heads: ``M = max m_p``, ``w_p = exp2(m_p - M)``, ``out = r(sum_p w_p acc_p /
+sum_p w_p l_p)``, ``lse = (M + log2(sum w l)) * ln 2`` -- the weights in shared memory, one
+thread per output element, the sums in split order (bit-identical run to run). No second
+launch, and no CTA walks the splits for every head.
 
 **merge_attn_states** (:func:`merge_states_kernel`): one warp per (token, head), lanes over
 head_size, vLLM 0.24's formula (``expf``, ``logf``, ``fmaf(p_out, p_scale, s_out * s_scale)``).
@@ -49,7 +54,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from numba import cuda, float32, int64, uint32
+from numba import cuda, float32, int32, int64, uint32
 
 from .._dtypes import storage_dtype
 from .._numba_internals import device
@@ -63,6 +68,7 @@ EPL_SCALAR = 16  # ... on the scalar path
 MAX_GC = 4      # query heads one CTA serves at most (registers: GC * EPL floats of q and of acc)
 LANES = (8, 16, 32)  # lanes per head row on the vector path: head_size <= EPL_VEC * lanes
 SCALAR_LANES = 16    # lanes per head row on the scalar path (head_size <= 256)
+MAX_SPLITS = 64  # splits of one context at most (the in-kernel merge's shared arrays)
 SLOTS = 4       # warp states the cross-warp merge takes per round through shared memory
 KINDS = ("bf16", "f16", "f32")
 CACHES = ("bf16", "f16", "f32", "fp8")
@@ -129,16 +135,10 @@ def decode_argtypes(spec):
     cache = "uint32" if spec.path == "vec" else storage_dtype(spec.cache)
     i, f = L.i64(0).numba_type, L.f32(0).numba_type
     return (L.array_type(act, 3), L.array_type(f32, 2), L.array_type(f32, 4),
-            L.array_type(f32, 4), L.array_type(act, 3), L.array_type(cache, 1),
-            L.array_type(cache, 1), L.array_type("int32", 2), L.array_type("int32", 1),
+            L.array_type(f32, 4), L.array_type("uint32", 1), L.array_type(act, 3),
+            L.array_type(cache, 1), L.array_type(cache, 1), L.array_type("int32", 2),
+            L.array_type("int32", 1),
             L.array_type(f32, 1), L.array_type(f32, 1)) + (i,) * 22 + (f, f, f)
-
-
-def merge_argtypes(spec):
-    act, f32 = storage_dtype(spec.kind), "float32"
-    i = L.i64(0).numba_type
-    return (L.array_type(act, 3), L.array_type(f32, 2), L.array_type(f32, 4),
-            L.array_type(f32, 4), i, i, i, i)
 
 
 def states_argtypes(spec):
@@ -282,6 +282,7 @@ def decode_kernel(spec):
     NW_ = TT * (KW if VEC else EPL)      # per-lane tile storage of K (or V)
     WTYPE = float32 if spec.cache == "f32" and not VEC else uint32
     QN, SCN, SMA, SMS = GC * EPL, GC * TT, SLOTS * GC * EPL * R, SLOTS * GC  # array sizes
+    SMP, SMT = MAX_GC * MAX_SPLITS, 2 * MAX_GC  # the split merge's
     dec_q, enc = CODECS[spec.kind].decode, CODECS[spec.kind].encode
     load_row, decode_row = _row_loader(spec), _row_decoder(spec)
     dot_sum = group_reduce_array(fadd, R, GC * TT)
@@ -289,7 +290,7 @@ def decode_kernel(spec):
     warp_sum_acc = group_reduce_array(fadd, NGW, GC * EPL, R)
     warp_sum_l = group_reduce_array(fadd, NGW, GC, R)
 
-    def kernel(out, lse, pacc, pml, q, kc, vc, bt, sl, ksc, vsc,
+    def kernel(out, lse, pacc, pml, counters, q, kc, vc, bt, sl, ksc, vsc,
                D, Hk, G, NC, GCH, P, B, BSH, kb, ko, kh, ku, ke, kxl,
                vb, vo, vh, vu, ve, vxl, W, wlse, qmul, inv_cap, capl2):
         bid = int64(cuda.blockIdx.x)
@@ -465,40 +466,59 @@ def decode_kernel(spec):
                         if r == 0:
                             pml[s, h, p, 0] = m[g]
                             pml[s, h, p, 1] = lsum[g]
+        if P == 1:
+            return
+
+        # ---- split-K: the last split CTA of (sequence, KV head, head chunk) merges them all
+        last = cuda.shared.array(1, int32)
+        cuda.threadfence()  # this CTA's partials visible device-wide before its ticket
+        cuda.syncthreads()
+        if tid == 0:
+            ticket = cuda.atomic.inc(counters, (s * Hk + hk) * NC + c, uint32(P - 1))
+            last[0] = 1 if ticket == P - 1 else 0  # atomicInc wraps: the counter is 0 again
+        cuda.syncthreads()
+        if last[0] == 0:
+            return
+        cuda.threadfence()
+        smw = cuda.shared.array(SMP, float32)   # m_p, then w_p = exp2(m_p - M)
+        sml = cuda.shared.array(SMP, float32)   # l_p
+        smt = cuda.shared.array(SMT, float32)             # M and 1 / sum_p w_p l_p
+        for i in range(tid, nh * P, nt):
+            g = i // P
+            p_ = i - g * P
+            smw[g * MAX_SPLITS + p_] = pml[s, h0 + g, p_, 0]
+            sml[g * MAX_SPLITS + p_] = pml[s, h0 + g, p_, 1]
+        cuda.syncthreads()
+        if tid < nh:
+            mx = float32(NEG_INF)
+            for p_ in range(P):
+                mx = fmax_nan(mx, smw[tid * MAX_SPLITS + p_])
+            smt[tid] = mx
+        cuda.syncthreads()
+        for i in range(tid, nh * P, nt):
+            g = i // P
+            mx = smt[g]
+            j = g * MAX_SPLITS + i - g * P
+            smw[j] = math.exp2(smw[j] - mx) if mx != NEG_INF else float32(0)
+        cuda.syncthreads()
+        if tid < nh:
+            tot = float32(0)
+            for p_ in range(P):
+                tot += smw[tid * MAX_SPLITS + p_] * sml[tid * MAX_SPLITS + p_]
+            smt[MAX_GC + tid] = float32(1) / tot if tot != 0 else float32(0)
+            if wlse != 0:
+                lse[h0 + tid, s] = ((smt[tid] + math.log2(tot)) * float32(LN2) if tot != 0
+                                    else float32(NEG_INF))
+        cuda.syncthreads()
+        for i in range(tid, nh * D, nt):
+            g = i // D
+            d = i - g * D
+            a = float32(0)
+            for p_ in range(P):
+                a += smw[g * MAX_SPLITS + p_] * pacc[s, h0 + g, p_, d]
+            out[s, h0 + g, d] = enc(a * smt[MAX_GC + g])
 
     kernel.__name__ = f"paged_decode_{spec.kind}_{spec.cache}_{spec.path}_r{R}_g{GC}_t{TT}_e{EPL}"
-    return kernel
-
-
-# ---------------------------------------------------------------- the split merge
-def split_merge_kernel(spec):
-    """One CTA per (sequence, head): the splits' partials -> ``out`` (and ``lse``)."""
-    enc = CODECS[spec.kind].encode
-
-    def kernel(out, lse, pacc, pml, D, Hq, P, wlse):
-        row = int64(cuda.blockIdx.x)
-        s = row // Hq
-        h = row - s * Hq
-        tid = cuda.threadIdx.x
-        nt = cuda.blockDim.x
-        mx = float32(NEG_INF)
-        for p in range(P):
-            mx = fmax_nan(mx, pml[s, h, p, 0])
-        tot = float32(0)
-        if mx != NEG_INF:
-            for p in range(P):
-                tot += math.exp2(pml[s, h, p, 0] - mx) * pml[s, h, p, 1]
-        inv = float32(1) / tot if tot != 0 else float32(0)
-        for d in range(tid, D, nt):
-            a = float32(0)
-            if mx != NEG_INF:
-                for p in range(P):
-                    a += math.exp2(pml[s, h, p, 0] - mx) * pacc[s, h, p, d]
-            out[s, h, d] = enc(a * inv)
-        if wlse != 0 and tid == 0:
-            lse[h, s] = (mx + math.log2(tot)) * float32(LN2) if tot != 0 else float32(NEG_INF)
-
-    kernel.__name__ = f"paged_decode_split_merge_{spec.kind}"
     return kernel
 
 
@@ -546,8 +566,8 @@ def variants():
     them all): the decode pass for each (query, cache) dtype pair and heads per CTA -- the
     vector path at every lane count of the configurations ``attention.vector_config`` picks
     (8 elements a lane for 2- and 4-byte caches, 16 for FP8 and for 2-byte caches of
-    head_size > 64), and the scalar path (any strides); the split merge and
-    ``merge_attn_states`` for each output dtype."""
+    head_size > 64), and the scalar path (any strides), each with its in-kernel split merge;
+    and ``merge_attn_states`` for each output dtype."""
     out = []
     for kind in KINDS:
         for cache in (kind, "fp8"):
@@ -561,6 +581,5 @@ def variants():
                 for spec in specs:
                     out.append((decode_kernel, spec, decode_argtypes(spec)))
         spec = MergeSpec(kind)
-        out.append((split_merge_kernel, spec, merge_argtypes(spec)))
         out.append((merge_states_kernel, spec, states_argtypes(spec)))
     return out

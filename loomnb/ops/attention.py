@@ -31,10 +31,10 @@ from . import _contract as C
 from . import _launch as L
 from ._attention_args import (cache_strides, check_decode, check_decode_indices, check_states,
                               vectorizable)
-from ._attention_kernels import (ESIZE, LOG2E, MAX_GC, SCALAR_LANES, DecodeSpec, MergeSpec,
-                                 decode_argtypes, decode_kernel, head_chunks, lanes_for,
-                                 merge_argtypes, merge_states_kernel, split_merge_kernel,
-                                 tokens_per_tile)
+from . import _workspace as W
+from ._attention_kernels import (ESIZE, LOG2E, MAX_GC, MAX_SPLITS, SCALAR_LANES, DecodeSpec,
+                                 MergeSpec, decode_argtypes, decode_kernel, head_chunks,
+                                 lanes_for, merge_states_kernel, tokens_per_tile)
 from ._torch_ops import torch_op
 
 __all__ = ["paged_decode_attention", "merge_attn_states"]
@@ -47,8 +47,7 @@ MAX_HEADS_PER_CTA = None         # None: heads_per_cta's rule (a tuning knob: 1 
 STATES_THREADS = 128             # merge_attn_states: 4 (token, head) rows per CTA
 SPLIT_TARGET_PER_SM = 2          # CTAs per SM the split rule aims for (about one resident wave)
 MIN_SPLIT_TOKENS = 128           # a split reads at least this many tokens
-SPLIT_MIN_CONTEXT = 256          # shorter contexts are never split (the merge launch costs more)
-MAX_SPLITS = 64
+SPLIT_MIN_CONTEXT = 256          # shorter contexts are never split (the merge costs more)
 SMALL_KV_ELEMENTS = 3 << 20      # heads_per_cta: at most this many key elements is latency-bound
 SMALL_KV_WAVES = 4               # ... and then one or two heads a CTA, up to 4 CTAs per SM
 DEFAULT_SMS = 132                # H200; the simulator and unknown devices
@@ -102,9 +101,8 @@ def heads_per_cta(group, num_seqs, num_kv_heads, context, head_size, sms=DEFAULT
 def _decode_siblings(spec, group, head_size):
     """The decode variants another batch size or context of the same call could pick -- heads
     a CTA (:func:`heads_per_cta`: 1, 2 or up to ``MAX_GC``), the vector path's lanes and tile
-    (:func:`vector_config` below and past a full wave) -- and the split merge that long
-    contexts add, compiled with the first (``_launch.launch(warm=)``). None under the tuning
-    knobs."""
+    (:func:`vector_config` below and past a full wave), compiled with the first
+    (``_launch.launch(warm=)``). None under the tuning knobs."""
     if TOKENS_PER_TILE or ELEMENTS_PER_LANE or MAX_HEADS_PER_CTA:
         return []
     specs = set()
@@ -117,9 +115,7 @@ def _decode_siblings(spec, group, head_size):
             epl, tt = vector_config(spec.cache, head_size, ctas)
             specs.add(DecodeSpec(spec.kind, spec.cache, "vec", lanes_for(head_size, epl), gch,
                                  tt, epl))
-    merge = MergeSpec(spec.kind)
-    return ([(decode_kernel, s, decode_argtypes(s)) for s in sorted(specs, key=str) if s != spec]
-            + [(split_merge_kernel, merge, merge_argtypes(merge))])
+    return [(decode_kernel, s, decode_argtypes(s)) for s in sorted(specs, key=str) if s != spec]
 
 
 def vector_config(cache, head_size, ctas, sms=DEFAULT_SMS):
@@ -316,12 +312,14 @@ def _launch_decode(op, a, oa, la, scale, softcap, sliding_window, max_seq_len, s
             return [w(sb), w(so), w(sh), w(su) if xl else 4, 0, 0]
         return [sb, so, sh, su, se, xl]
 
-    if P > 1:
+    if P > 1:  # float32 partials, and a counter per (sequence, KV head, head chunk)
         ws_acc = C.output(op, "workspace", None, like=q, kind="f32", shape=(S, Hq, P, D))
         ws_ml = C.output(op, "workspace", None, like=q, kind="f32", shape=(S, Hq, P, 2))
         pacc, pml = L.array(ws_acc), L.array(ws_ml)
+        counters = W.param(W.counters(q, stream, S * Hk * NC), "uint32", q)
     else:
         pacc, pml = L.absent("float32", 4), L.absent("float32", 4)
+        counters = L.absent("uint32", 1)
     lse_p = L.array(la) if la is not None else L.absent("float32", 2)
     absent_scale = L.absent("float32", 1)
     ks = L.array(a.ks) if a.fp8 else absent_scale  # [Hk] views (stride 0 for one scale)
@@ -330,21 +328,14 @@ def _launch_decode(op, a, oa, la, scale, softcap, sliding_window, max_seq_len, s
     bsh = B.bit_length() - 1 if B & (B - 1) == 0 else -1
     ints = [D, Hk, G, NC, GCH, P, B, bsh, *strides(a.kstr), *strides(a.vstr),
             sliding_window or 0, 1 if la is not None else 0]
-    params = ([L.array(oa), lse_p, pacc, pml, L.array(q), cache_param(a.k, a.kext),
+    params = ([L.array(oa), lse_p, pacc, pml, counters, L.array(q), cache_param(a.k, a.kext),
                cache_param(a.v, a.vext), L.array(a.bt), L.array(a.sl), ks, vs]
               + [L.i64(v) for v in ints]
               + [L.f32(scale if cap else scale * LOG2E), L.f32(1.0 / cap if cap else 0.0),
                  L.f32(cap * LOG2E)])
     grid = S * P * Hk * NC
     L.launch(decode_kernel, spec, grid, threads, params, like=q, stream=stream, key=key,
-             part=(0, 2) if P > 1 else (0, 1), warm=lambda: _decode_siblings(spec, G, D))
-    if P > 1:
-        mspec = MergeSpec(q.kind)
-        mthreads = L.forced_threads() or min(256, L.whole_warps(D))
-        mparams = [L.array(oa), lse_p, pacc, pml, L.i64(D), L.i64(Hq), L.i64(P),
-                   L.i64(1 if la is not None else 0)]
-        L.launch(split_merge_kernel, mspec, S * Hq, mthreads, mparams, like=q, stream=stream,
-                 key=key, part=(1, 2))
+             warm=lambda: _decode_siblings(spec, G, D))
 
 
 # ---------------------------------------------------------------------------------------------

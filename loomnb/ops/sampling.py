@@ -29,6 +29,7 @@ from .. import _adapter as ad
 from ..checks import check_kind, check_ndim, check_same_device, check_shape
 from . import _contract as C
 from . import _launch as L
+from . import _workspace as W
 from ._sampling_kernels import (NF, NI, SAMPLERS, LogprobSpec, MinPSpec, logprob_kernel,
                                 min_p_kernel)
 from ._sampling_rows import MAX_LOGPROBS, UNIT
@@ -98,83 +99,22 @@ def force_splits(n):
 
 
 # ---------------------------------------------------------------- workspace
-_workspaces = {}  # (library, device, stream handle) -> _Workspace
-_retired = []  # workspaces replaced by larger ones: kept, as captured CUDA graphs and remembered
-#                fast-path launches still point at them
-
-
 class _Workspace:
+    """The records of a split launch (``f`` float64 and ``i`` int64 fields, ``MAX_RECORDS`` or
+    the launch's ``num_rows x splits`` if more) and the stream's split counters (one a row),
+    from the scaffold's persistent workspaces (:mod:`loomnb.ops._workspace`)."""
     __slots__ = ("f", "i", "counters")
 
 
 def _workspace(like, stream, records):
-    """Per-split records and per-row counters, one set per (device, stream): launches on one
-    stream are ordered, so they may share it; the last block of each row leaves its counter at
-    0 (``atomicInc`` wraps), so it is zero at every launch, CUDA-graph replays included. Made
-    zeroed (ordered before the launch on its stream), never freed (a captured graph keeps
-    pointing at it), with room for ``MAX_RECORDS`` records or the launch's ``records`` (num_rows
-    x splits) if more, rounded up to a power of two: Min-P writes a record for every block, one
-    per row when rows are many, so more than ``MAX_RECORDS`` rows get a larger set (the smaller
-    one is kept alive, not reused)."""
-    handle = 0 if like.lib == "numpy" else ad.stream_handle(like, stream)
-    key = (like.lib, like.device, handle)
-    ws = _workspaces.get(key)
-    if ws is None or ws.f.shape[0] < records:
-        if ws is not None:
-            _retired.append(ws)
-        n = max(MAX_RECORDS, 1 << (records - 1).bit_length())
-        ws = _Workspace()
-        ws.f = _zeros(like, (n, NF), "float64")
-        ws.i = _zeros(like, (n, NI), "int64")
-        ws.counters = _zeros(like, (n,), "int32")  # read as uint32 by the kernel
-        _after_zeroing(like, handle)
-        _workspaces[key] = ws
+    """The records and counters of a launch of ``records`` records on ``stream``: Min-P writes a
+    record for every block, one per row when rows are many, so more than ``MAX_RECORDS`` rows
+    get larger record buffers (the smaller ones kept alive, not reused)."""
+    ws = _Workspace()
+    ws.f = W.buffer("sampling.f", like, stream, records, (NF,), "float64", MAX_RECORDS)
+    ws.i = W.buffer("sampling.i", like, stream, records, (NI,), "int64", MAX_RECORDS)
+    ws.counters = W.counters(like, stream, MAX_RECORDS)
     return ws
-
-
-def _zeros(like, shape, dtype):
-    """A zeroed buffer on ``like``'s device, in its library (a torch allocation made while a
-    CUDA graph is being captured is captured with its zeroing, which re-zeroes on replay:
-    harmless)."""
-    import numpy as np
-    if like.lib == "torch":
-        with ad.device_guard(like):
-            return ad._torch.zeros(shape, dtype=getattr(ad._torch, dtype), device=like.obj.device)
-    if like.lib == "numpy":
-        return np.zeros(shape, dtype)
-    from numba import cuda
-    with cuda.gpus[like.device]:
-        return cuda.to_device(np.zeros(shape, dtype))
-
-
-def _after_zeroing(like, handle):
-    """The zero fills ran on torch's current stream: when the launch goes to another stream,
-    wait for them (once per workspace; not while a graph is being captured, where the capture
-    orders them)."""
-    if like.lib != "torch":
-        return  # numpy; numba's to_device copies synchronously
-    t = ad._torch
-    if t.cuda.is_current_stream_capturing():
-        return
-    cur = t.cuda.current_stream(like.obj.device)
-    if cur.cuda_stream != handle:
-        cur.synchronize()
-
-
-def _ws_param(obj, storage, like):
-    """A kernel parameter over workspace buffer ``obj`` (on ``like``'s device) seen as
-    ``storage`` elements."""
-    import numpy as np
-    if isinstance(obj, np.ndarray):
-        strides = tuple(s // obj.itemsize for s in obj.strides)
-        ptr = obj.__array_interface__["data"][0]
-    elif ad._torch is not None and isinstance(obj, ad._torch.Tensor):
-        strides, ptr = obj.stride(), obj.data_ptr()
-    else:  # a numba device array (C-contiguous)
-        ptr = obj.__cuda_array_interface__["data"][0]
-        strides = tuple(s // obj.dtype.itemsize for s in obj.strides)
-    arr = ad.Arr(obj, like.lib, None, str(obj.dtype), obj.shape, strides, ptr, like.device)
-    return L.ArrayParam(arr, ptr, obj.shape, strides, storage)
 
 
 # ---------------------------------------------------------------- checks
@@ -235,8 +175,8 @@ def _launch_logprob(op, spec, la, ta, tok, idx, lp, rank, k, stream, key):
               L.array(tok) if tok is not None else L.absent("int64", 1),
               L.array(idx) if idx is not None else L.absent("int32", 2),
               L.array(lp_view), L.array(rank),
-              _ws_param(ws.f, "float64", la), _ws_param(ws.i, "int64", la),
-              _ws_param(ws.counters, "uint32", la),
+              W.param(ws.f, "float64", la), W.param(ws.i, "int64", la),
+              W.param(ws.counters, "uint32", la),
               L.i64(V), L.i64(splits), L.i64(chunk), L.i64(k), L.i64(v2_pad(V))]
     L.launch(logprob_kernel, spec, R * splits, threads, params, like=la, stream=stream, key=key)
 
@@ -457,7 +397,7 @@ def min_p_filter_(logits, min_p, sampler="v1", *, stream=None, launch_key=None):
     threads, splits, chunk = launch_config(R, V, UNIT["f32"], L.sm_count(la, simulator=SIMULATOR_SMS),
                                            L.forced_threads(), _forced_splits)
     ws = _workspace(la, stream, R * splits)  # a record for every block, split or not
-    params = [L.array(la, words=vec), L.array(ma), _ws_param(ws.f, "float64", la),
+    params = [L.array(la, words=vec), L.array(ma), W.param(ws.f, "float64", la),
               L.i64(V), L.i64(splits), L.i64(chunk)]
     for i, phase in enumerate(("stats", "mask")):  # one call: a replay runs both
         L.launch(min_p_kernel, MinPSpec(sampler, phase, layout), R * splits, threads, params,
