@@ -78,6 +78,8 @@
 #                                   # and after, one process each
 #   bash scripts/gpu_session.sh U2  # after U: the small-call activation benchmark (SmolLM2's and
 #                                   # Llama-8B's widths, the small layout on and off) vs vLLM
+#   bash scripts/gpu_session.sh U3  # U's suite, sanitizers and loop (before/after) again after a change;
+#                                   # U4: U's attention benchmark, the probe and U2's benchmark
 #   bash scripts/gpu_session.sh Y [CMD]  # after X, with each later bundle: run CMD, then collect the
 #                                   # detached runs' logs so far
 # Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
@@ -232,6 +234,33 @@ elif [ "$part" = U ]; then
     echo "=== decode $which rc=$?" >> "$R/bench_0.log"
     grep -E "^(forward|reversed) +loomnb" "$R/decode_$which.log" >> "$R/bench_0.log"
   done
+  report 40
+  exit 0
+elif [ "$part" = U3 ]; then  # session 10, after the merge's rewrite: the GPU suite (xdist), memcheck and
+  # racecheck of the small shapes, the graphed loop before (.gpu-base) and after
+  timeout 330 python3 -m pytest -q -rfEs -m gpu -n 8 tests -p no:cacheprovider > "$R/pytest_xdist.log" 2>&1
+  echo "pytest xdist rc=$?" >> "$R/pytest_xdist.log"
+  sanitize memcheck 60 tests/test_attention_gpu.py -k memcheck_small_shapes
+  sanitize racecheck 60 tests/test_attention_gpu.py -k memcheck_small_shapes
+  for which in base new; do
+    pp=$PYTHONPATH; [ $which = base ] && pp=$PWD/.gpu-base:$PYTHONPATH
+    mkdir -p "$R/decode_$which"
+    PYTHONPATH=$pp timeout 100 python3 benchmarks/bench_decode.py --out "$R/decode_$which" --batches 1,64 \
+      --contexts 128,2048 --providers loomnb-cuda --modes graph --orders forward --steps 24 --profile \
+      > "$R/decode_$which.log" 2>&1
+    echo "=== decode $which rc=$?" >> "$R/bench_0.log"
+    grep -E "^(forward|reversed) +loomnb" "$R/decode_$which.log" >> "$R/bench_0.log"
+  done
+  report 40
+  exit 0
+elif [ "$part" = U4 ]; then  # after U3: decode attention at decode sizes vs FA3 (--tune), the probe, and the
+  # small-call activation benchmark (the small layout on and off)
+  bench 0 attention 120 benchmarks/bench_attention.py --tune --geometries 9/3/64,32/8/128 --caches bf16 \
+    --batches 1,8 --context 128,512,2048,4096 --providers loomnb,loomnb_s64,fa3 --no-exact --repeats 7 --target-ms 1
+  bench 0 probe 70 benchmarks/probe_decode_latency.py --tokens 1,8,64
+  bench 0 activation 200 benchmarks/bench_activation.py --tune --ops silu_and_mul --d 1536,14336 \
+    --num-tokens 1,8,32,128,1024,4096 --providers loomnb,loomnb_units,loomnb_small,vllm,torch_compile --no-exact \
+    --repeats 7 --target-ms 1
   report 40
   exit 0
 elif [ "$part" = U2 ]; then

@@ -41,9 +41,11 @@ fences, and takes a ticket with ``atomicInc(counters[(s * Hk + hk) * NC + c], P 
 (:mod:`loomnb.ops._workspace`: the counter wraps back to 0, so it is 0 at every launch); the
 CTA that draws ``P - 1`` is the last of its (sequence, KV head, head chunk) and merges the
 splits of its heads: ``M = max m_p``, ``w_p = exp2(m_p - M)``, ``out = r(sum_p w_p acc_p /
-sum_p w_p l_p)``, ``lse = (M + log2(sum w l)) * ln 2`` -- the weights in shared memory, one
-thread per output element, the sums in split order (bit-identical run to run). No second
-launch, and no CTA walks the splits for every head.
+sum_p w_p l_p)``, ``lse = (M + log2(sum w l)) * ln 2``. Warp ``g`` forms head ``g``'s weights
+(two splits a lane, warp shuffles) while each thread's first ``MERGE_LOADS`` partials are
+already in flight; then one thread per output element sums its partials in split order
+(deterministic: bit-identical run to run). No second launch, and nothing walks the splits
+one load at a time.
 
 **merge_attn_states** (:func:`merge_states_kernel`): one warp per (token, head), lanes over
 head_size, vLLM 0.24's formula (``expf``, ``logf``, ``fmaf(p_out, p_scale, s_out * s_scale)``).
@@ -60,7 +62,7 @@ from .._dtypes import storage_dtype
 from .._numba_internals import device
 from ..layouts.dtypes import bits_f32, unpack_e4m3x2
 from . import _launch as L
-from ._reduce import fadd, fmax_nan, group_reduce_array
+from ._reduce import fadd, fmax_nan, group_reduce, group_reduce_array
 from ._vector import CODECS, load_u32x2, load_u32x4
 
 EPL_VEC = 8     # head-row elements a lane holds on the vector path (one 16-byte unit of bf16)
@@ -68,7 +70,8 @@ EPL_SCALAR = 16  # ... on the scalar path
 MAX_GC = 4      # query heads one CTA serves at most (registers: GC * EPL floats of q and of acc)
 LANES = (8, 16, 32)  # lanes per head row on the vector path: head_size <= EPL_VEC * lanes
 SCALAR_LANES = 16    # lanes per head row on the scalar path (head_size <= 256)
-MAX_SPLITS = 64  # splits of one context at most (the in-kernel merge's shared arrays)
+MAX_SPLITS = 64  # splits of one context at most (two a lane in the in-kernel merge's warps)
+MERGE_LOADS = 16  # partials a thread of the in-kernel merge has in flight
 SLOTS = 4       # warp states the cross-warp merge takes per round through shared memory
 KINDS = ("bf16", "f16", "f32")
 CACHES = ("bf16", "f16", "f32", "fp8")
@@ -282,7 +285,9 @@ def decode_kernel(spec):
     NW_ = TT * (KW if VEC else EPL)      # per-lane tile storage of K (or V)
     WTYPE = float32 if spec.cache == "f32" and not VEC else uint32
     QN, SCN, SMA, SMS = GC * EPL, GC * TT, SLOTS * GC * EPL * R, SLOTS * GC  # array sizes
-    SMP, SMT = MAX_GC * MAX_SPLITS, 2 * MAX_GC  # the split merge's
+    SMP, MU = MAX_GC * MAX_SPLITS, MERGE_LOADS  # the split merge's weights, loads in flight
+    split_max = group_reduce(fmax_nan, 32)
+    split_sum = group_reduce(fadd, 32)
     dec_q, enc = CODECS[spec.kind].decode, CODECS[spec.kind].encode
     load_row, decode_row = _row_loader(spec), _row_decoder(spec)
     dot_sum = group_reduce_array(fadd, R, GC * TT)
@@ -471,52 +476,68 @@ def decode_kernel(spec):
 
         # ---- split-K: the last split CTA of (sequence, KV head, head chunk) merges them all
         last = cuda.shared.array(1, int32)
-        cuda.threadfence()  # this CTA's partials visible device-wide before its ticket
+        if warp == 0:
+            cuda.threadfence()  # the partials warp 0 wrote: visible device-wide before the ticket
         cuda.syncthreads()
         if tid == 0:
             ticket = cuda.atomic.inc(counters, (s * Hk + hk) * NC + c, uint32(P - 1))
+            cuda.threadfence()
             last[0] = 1 if ticket == P - 1 else 0  # atomicInc wraps: the counter is 0 again
         cuda.syncthreads()
         if last[0] == 0:
             return
-        cuda.threadfence()
-        smw = cuda.shared.array(SMP, float32)   # m_p, then w_p = exp2(m_p - M)
-        sml = cuda.shared.array(SMP, float32)   # l_p
-        smt = cuda.shared.array(SMT, float32)             # M and 1 / sum_p w_p l_p
-        for i in range(tid, nh * P, nt):
-            g = i // P
-            p_ = i - g * P
-            smw[g * MAX_SPLITS + p_] = pml[s, h0 + g, p_, 0]
-            sml[g * MAX_SPLITS + p_] = pml[s, h0 + g, p_, 1]
-        cuda.syncthreads()
-        if tid < nh:
-            mx = float32(NEG_INF)
-            for p_ in range(P):
-                mx = fmax_nan(mx, smw[tid * MAX_SPLITS + p_])
-            smt[tid] = mx
-        cuda.syncthreads()
-        for i in range(tid, nh * P, nt):
-            g = i // P
-            mx = smt[g]
-            j = g * MAX_SPLITS + i - g * P
-            smw[j] = math.exp2(smw[j] - mx) if mx != NEG_INF else float32(0)
-        cuda.syncthreads()
-        if tid < nh:
-            tot = float32(0)
-            for p_ in range(P):
-                tot += smw[tid * MAX_SPLITS + p_] * sml[tid * MAX_SPLITS + p_]
-            smt[MAX_GC + tid] = float32(1) / tot if tot != 0 else float32(0)
-            if wlse != 0:
-                lse[h0 + tid, s] = ((smt[tid] + math.log2(tot)) * float32(LN2) if tot != 0
-                                    else float32(NEG_INF))
+        smw = cuda.shared.array(SMP, float32)  # w_p = exp2(m_p - M) of each head
+        smi = cuda.shared.array(MAX_GC, float32)  # 1 / sum_p w_p l_p
+        pv = cuda.local.array(MU, float32)
+        nout = uint32(nh * D)
+        ud = uint32(D)
+        # the first MU partials of this thread's first output: in flight while the weights form
+        if uint32(tid) < nout:
+            g = uint32(tid) // ud
+            d = uint32(tid) - g * ud
+            for k in range(MU):
+                pv[k] = pacc[s, h0 + g, k, d] if k < P else float32(0)
+        # the weights: warp g folds head g's splits (lanes p and p + 32), every warp the same
+        # number of rounds (the reductions need whole warps)
+        for g0 in range(0, nh, nw):
+            g = g0 + warp
+            ok0 = g < nh and lane < P
+            ok1 = g < nh and lane + 32 < P
+            m0 = pml[s, h0 + g, lane, 0] if ok0 else float32(NEG_INF)
+            m1 = pml[s, h0 + g, lane + 32, 0] if ok1 else float32(NEG_INF)
+            l0 = pml[s, h0 + g, lane, 1] if ok0 else float32(0)
+            l1 = pml[s, h0 + g, lane + 32, 1] if ok1 else float32(0)
+            mx = split_max(fmax_nan(m0, m1))
+            w0 = float32(0)
+            w1 = float32(0)
+            if mx != NEG_INF:
+                if ok0:
+                    w0 = math.exp2(m0 - mx)
+                if ok1:
+                    w1 = math.exp2(m1 - mx)
+            tot = split_sum(w0 * l0 + w1 * l1)
+            if ok0:
+                smw[g * MAX_SPLITS + lane] = w0
+            if ok1:
+                smw[g * MAX_SPLITS + lane + 32] = w1
+            if g < nh and lane == 0:
+                smi[g] = float32(1) / tot if tot != 0 else float32(0)
+                if wlse != 0:
+                    lse[h0 + g, s] = ((mx + math.log2(tot)) * float32(LN2) if tot != 0
+                                      else float32(NEG_INF))
         cuda.syncthreads()
         for i in range(tid, nh * D, nt):
-            g = i // D
-            d = i - g * D
+            g = uint32(i) // ud
+            d = uint32(i) - g * ud
             a = float32(0)
-            for p_ in range(P):
-                a += smw[g * MAX_SPLITS + p_] * pacc[s, h0 + g, p_, d]
-            out[s, h0 + g, d] = enc(a * smt[MAX_GC + g])
+            for c0 in range(0, P, MU):
+                if i != tid or c0 > 0:
+                    for k in range(MU):
+                        pv[k] = pacc[s, h0 + g, c0 + k, d] if c0 + k < P else float32(0)
+                for k in range(MU):
+                    if c0 + k < P:
+                        a += smw[g * MAX_SPLITS + c0 + k] * pv[k]
+            out[s, h0 + g, d] = enc(a * smi[g])
 
     kernel.__name__ = f"paged_decode_{spec.kind}_{spec.cache}_{spec.path}_r{R}_g{GC}_t{TT}_e{EPL}"
     return kernel
