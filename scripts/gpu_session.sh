@@ -79,7 +79,8 @@
 #   bash scripts/gpu_session.sh U2  # after U: the small-call activation benchmark (SmolLM2's and
 #                                   # Llama-8B's widths, the small layout on and off) vs vLLM
 #   bash scripts/gpu_session.sh U3  # U's suite, sanitizers and loop (before/after) again after a change;
-#                                   # U4: U's attention benchmark, the probe and U2's benchmark
+#                                   # U4: U's attention benchmark, the probe and U2's benchmark;
+#                                   # U5 (nothing staged): attention GPU tests and benchmark, loomnb only
 #   bash scripts/gpu_session.sh Y [CMD]  # after X, with each later bundle: run CMD, then collect the
 #                                   # detached runs' logs so far
 # Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
@@ -262,6 +263,15 @@ elif [ "$part" = U4 ]; then  # after U3: decode attention at decode sizes vs FA3
     --num-tokens 1,8,32,128,1024,4096 --providers loomnb,loomnb_units,loomnb_small,vllm,torch_compile --no-exact \
     --repeats 7 --target-ms 1
   report 40
+  exit 0
+elif [ "$part" = U5 ]; then  # session 10, nothing staged (numpy shim): after the fused-merge rule, the
+  # decode attention GPU tests (xdist) and the loomnb-only attention benchmark at U4's shapes
+  timeout 170 python3 -m pytest -q -rfEs -m gpu -n 8 tests/test_attention_gpu.py tests/test_recompile_gpu.py \
+    tests/test_zero_size.py -p no:cacheprovider > "$R/pytest_xdist.log" 2>&1
+  echo "pytest xdist rc=$?" >> "$R/pytest_xdist.log"
+  bench 0 attention 130 benchmarks/bench_attention.py --geometries 9/3/64,32/8/128 --caches bf16 \
+    --batches 1,8,64 --context 128,512,2048,4096 --providers loomnb --no-exact --repeats 7 --target-ms 1
+  report 30
   exit 0
 elif [ "$part" = U2 ]; then
   bench 0 activation 200 benchmarks/bench_activation.py --tune --ops silu_and_mul --d 1536,14336 \

@@ -269,8 +269,9 @@ def test_cuda_graph_capture_and_replay(seq_lens):
 
 @pytest.mark.parametrize("seq_lens", [[30, 5], [3000, 20]])
 def test_eager_fast_path_replays_every_launch(seq_lens):
-    """A repeated call replays the remembered launch (one, split or not) with new allocations
-    of out, lse and the workspace; a new shape is validated again."""
+    """A repeated call replays the remembered launches (two for a split call whose merge is a
+    second launch) with new allocations of out, lse and the workspace; a new shape is
+    validated again."""
     case = make_case(14, seq_lens=seq_lens, num_heads=32, num_kv_heads=8, head_size=128)
     t = to_torch(case)
     loomnb.ops.clear_launch_cache()
@@ -372,7 +373,7 @@ def test_new_batch_or_context_does_not_recompile():
         o, l_, vmax = exact(c)
         assert_attention(to_numpy(out), o, vmax, "bf16", str(lens), to_numpy(lse), l_)
     new = {k for k in L._kernels if k not in before}
-    assert not new, "no new kernel: the split merge is part of the decode kernel"
+    assert all(k[0].__name__ == "split_merge_kernel" for k in new), "only the merge may be new"
     assert all(len(L._kernels[k]._handles) == n for k, n in before.items())
 
 

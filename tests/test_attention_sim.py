@@ -148,18 +148,24 @@ def test_split_k_and_its_merge(monkeypatch):
     assert A.num_splits(3, 1, 1, 15) == 1
 
 
-@pytest.mark.parametrize("num_heads, num_kv_heads, max_gc", [(7, 1, 4), (6, 2, 2)])
-def test_split_k_merge_by_the_last_split_cta(num_heads, num_kv_heads, max_gc, monkeypatch):
+@pytest.mark.parametrize("num_heads, num_kv_heads, max_gc, fused", [(7, 1, 4, True), (6, 2, 2, True),
+                                                                     (6, 2, 2, False)])
+def test_split_k_merge_by_the_last_split_cta(num_heads, num_kv_heads, max_gc, fused, monkeypatch):
     """The last split CTA of each (sequence, KV head, head chunk) merges its heads' splits:
     chunks of 4 + 3 heads (the second one short), 2 KV heads of 2 heads a CTA, 3 sequences x 5
     splits (one sequence empty, one with empty splits) -- all equal the oracle, the LSE
-    included, and every split counter is 0 after the launch (``conftest``'s check)."""
+    included, and every split counter is 0 after the launch (``conftest``'s check); and the
+    same through the separate merge launch that large merges take (``fused_merge``)."""
+    monkeypatch.setattr(A, "fused_merge", lambda *_: fused)
+    names, launch = [], L.launch
+    monkeypatch.setattr(L, "launch", lambda f, *a, **k: (names.append(f.__name__), launch(f, *a, **k)))
     monkeypatch.setattr(A, "MIN_SPLIT_TOKENS", 8)
     monkeypatch.setattr(A, "SPLIT_MIN_CONTEXT", 16)
     monkeypatch.setattr(A, "MAX_HEADS_PER_CTA", max_gc)
     case = make_case(51 + num_heads, seq_lens=[37, 2, 0], num_heads=num_heads,
                      num_kv_heads=num_kv_heads, head_size=8, block_size=4)
     check(case, f"{num_heads}/{num_kv_heads}, {max_gc} heads a CTA, splits", threads=32)
+    assert names == ["decode_kernel"] if fused else ["decode_kernel", "split_merge_kernel"], names
 
 
 def test_split_rule():

@@ -46,6 +46,9 @@ sum_p w_p l_p)``, ``lse = (M + log2(sum w l)) * ln 2``. Warp ``g`` forms head ``
 already in flight; then one thread per output element sums its partials in split order
 (deterministic: bit-identical run to run). No second launch, and nothing walks the splits
 one load at a time.
+Merges too large for one CTA to load in one round (``attention.fused_merge``) go to
+:func:`split_merge_kernel` instead, one CTA per (sequence, head), launched after the pass
+(``fuse = 0``).
 
 **merge_attn_states** (:func:`merge_states_kernel`): one warp per (token, head), lanes over
 head_size, vLLM 0.24's formula (``expf``, ``logf``, ``fmaf(p_out, p_scale, s_out * s_scale)``).
@@ -141,7 +144,14 @@ def decode_argtypes(spec):
             L.array_type(f32, 4), L.array_type("uint32", 1), L.array_type(act, 3),
             L.array_type(cache, 1), L.array_type(cache, 1), L.array_type("int32", 2),
             L.array_type("int32", 1),
-            L.array_type(f32, 1), L.array_type(f32, 1)) + (i,) * 22 + (f, f, f)
+            L.array_type(f32, 1), L.array_type(f32, 1)) + (i,) * 23 + (f, f, f)
+
+
+def merge_argtypes(spec):
+    act, f32 = storage_dtype(spec.kind), "float32"
+    i = L.i64(0).numba_type
+    return (L.array_type(act, 3), L.array_type(f32, 2), L.array_type(f32, 4),
+            L.array_type(f32, 4), i, i, i, i)
 
 
 def states_argtypes(spec):
@@ -297,7 +307,7 @@ def decode_kernel(spec):
 
     def kernel(out, lse, pacc, pml, counters, q, kc, vc, bt, sl, ksc, vsc,
                D, Hk, G, NC, GCH, P, B, BSH, kb, ko, kh, ku, ke, kxl,
-               vb, vo, vh, vu, ve, vxl, W, wlse, qmul, inv_cap, capl2):
+               vb, vo, vh, vu, ve, vxl, W, wlse, fuse, qmul, inv_cap, capl2):
         bid = int64(cuda.blockIdx.x)
         c = bid % NC
         t1 = bid // NC
@@ -471,7 +481,7 @@ def decode_kernel(spec):
                         if r == 0:
                             pml[s, h, p, 0] = m[g]
                             pml[s, h, p, 1] = lsum[g]
-        if P == 1:
+        if P == 1 or fuse == 0:  # one split, or the partials merged by split_merge_kernel
             return
 
         # ---- split-K: the last split CTA of (sequence, KV head, head chunk) merges them all
@@ -543,6 +553,39 @@ def decode_kernel(spec):
     return kernel
 
 
+# ---------------------------------------------------------------- the split merge
+def split_merge_kernel(spec):
+    """One CTA per (sequence, head): the splits' partials -> ``out`` (and ``lse``), for merges
+    too large for the decode kernel's last CTA (``attention.fused_merge``)."""
+    enc = CODECS[spec.kind].encode
+
+    def kernel(out, lse, pacc, pml, D, Hq, P, wlse):
+        row = int64(cuda.blockIdx.x)
+        s = row // Hq
+        h = row - s * Hq
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        mx = float32(NEG_INF)
+        for p in range(P):
+            mx = fmax_nan(mx, pml[s, h, p, 0])
+        tot = float32(0)
+        if mx != NEG_INF:
+            for p in range(P):
+                tot += math.exp2(pml[s, h, p, 0] - mx) * pml[s, h, p, 1]
+        inv = float32(1) / tot if tot != 0 else float32(0)
+        for d in range(tid, D, nt):
+            a = float32(0)
+            if mx != NEG_INF:
+                for p in range(P):
+                    a += math.exp2(pml[s, h, p, 0] - mx) * pacc[s, h, p, d]
+            out[s, h, d] = enc(a * inv)
+        if wlse != 0 and tid == 0:
+            lse[h, s] = (mx + math.log2(tot)) * float32(LN2) if tot != 0 else float32(NEG_INF)
+
+    kernel.__name__ = f"paged_decode_split_merge_{spec.kind}"
+    return kernel
+
+
 # ---------------------------------------------------------------- merge_attn_states
 def merge_states_kernel(spec):
     """One warp per (token, head) row: vLLM 0.24's ``merge_attn_states``."""
@@ -588,7 +631,7 @@ def variants():
     vector path at every lane count of the configurations ``attention.vector_config`` picks
     (8 elements a lane for 2- and 4-byte caches, 16 for FP8 and for 2-byte caches of
     head_size > 64), and the scalar path (any strides), each with its in-kernel split merge;
-    and ``merge_attn_states`` for each output dtype."""
+    the separate split merge and ``merge_attn_states`` for each output dtype."""
     out = []
     for kind in KINDS:
         for cache in (kind, "fp8"):
@@ -602,5 +645,6 @@ def variants():
                 for spec in specs:
                     out.append((decode_kernel, spec, decode_argtypes(spec)))
         spec = MergeSpec(kind)
+        out.append((split_merge_kernel, spec, merge_argtypes(spec)))
         out.append((merge_states_kernel, spec, states_argtypes(spec)))
     return out

@@ -32,9 +32,10 @@ from . import _launch as L
 from ._attention_args import (cache_strides, check_decode, check_decode_indices, check_states,
                               vectorizable)
 from . import _workspace as W
-from ._attention_kernels import (ESIZE, LOG2E, MAX_GC, MAX_SPLITS, SCALAR_LANES, DecodeSpec,
-                                 MergeSpec, decode_argtypes, decode_kernel, head_chunks,
-                                 lanes_for, merge_states_kernel, tokens_per_tile)
+from ._attention_kernels import (ESIZE, LOG2E, MAX_GC, MAX_SPLITS, MERGE_LOADS, SCALAR_LANES,
+                                 DecodeSpec, MergeSpec, decode_argtypes, decode_kernel,
+                                 head_chunks, lanes_for, merge_argtypes, merge_states_kernel,
+                                 split_merge_kernel, tokens_per_tile)
 from ._torch_ops import torch_op
 
 __all__ = ["paged_decode_attention", "merge_attn_states"]
@@ -75,6 +76,18 @@ def num_splits(num_seqs, num_kv_heads, head_chunks, context, sms=DEFAULT_SMS):
     return max(1, min(-(-target // ctas), context // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
 
+def fused_merge(outputs, splits, threads):
+    """Whether the last split CTA merges the splits itself (else :func:`split_merge_kernel`, a
+    second launch of one CTA per (sequence, head)): when each of its ``threads`` has at most one
+    of the ``outputs = heads a CTA * head_size`` elements and at most ``2 * MERGE_LOADS`` (32)
+    partials to load -- two rounds of loads, the first issued while the weights form. Measured
+    on the H200 (graph replay, bf16; fused against the two launches): SmolLM2's 9/3/64 at 1 x
+    2048 (one head a CTA, 16 splits) 10.9 against 13.6 µs, 1 x 4096 (30 splits) 13.4 against
+    16.5; larger merges lose in one CTA: 32/8/128 at 1 x 4096 (4 heads a CTA, 512 outputs on
+    128 threads) 31.1 against 24.5, SmolLM2 at 64 x 2048 (3 heads a CTA) 58.4 against 54.1."""
+    return outputs <= threads and splits <= 2 * MERGE_LOADS
+
+
 def heads_per_cta(group, num_seqs, num_kv_heads, context, head_size, sms=DEFAULT_SMS):
     """The most query heads one CTA serves (``DecodeSpec.gc``), for ``group`` query heads per
     KV head.
@@ -101,8 +114,9 @@ def heads_per_cta(group, num_seqs, num_kv_heads, context, head_size, sms=DEFAULT
 def _decode_siblings(spec, group, head_size):
     """The decode variants another batch size or context of the same call could pick -- heads
     a CTA (:func:`heads_per_cta`: 1, 2 or up to ``MAX_GC``), the vector path's lanes and tile
-    (:func:`vector_config` below and past a full wave), compiled with the first
-    (``_launch.launch(warm=)``). None under the tuning knobs."""
+    (:func:`vector_config` below and past a full wave) -- and the split merge that large merges
+    take (:func:`fused_merge`), compiled with the first (``_launch.launch(warm=)``). None under
+    the tuning knobs."""
     if TOKENS_PER_TILE or ELEMENTS_PER_LANE or MAX_HEADS_PER_CTA:
         return []
     specs = set()
@@ -115,7 +129,9 @@ def _decode_siblings(spec, group, head_size):
             epl, tt = vector_config(spec.cache, head_size, ctas)
             specs.add(DecodeSpec(spec.kind, spec.cache, "vec", lanes_for(head_size, epl), gch,
                                  tt, epl))
-    return [(decode_kernel, s, decode_argtypes(s)) for s in sorted(specs, key=str) if s != spec]
+    merge = MergeSpec(spec.kind)
+    return ([(decode_kernel, s, decode_argtypes(s)) for s in sorted(specs, key=str) if s != spec]
+            + [(split_merge_kernel, merge, merge_argtypes(merge))])
 
 
 def vector_config(cache, head_size, ctas, sms=DEFAULT_SMS):
@@ -312,11 +328,13 @@ def _launch_decode(op, a, oa, la, scale, softcap, sliding_window, max_seq_len, s
             return [w(sb), w(so), w(sh), w(su) if xl else 4, 0, 0]
         return [sb, so, sh, su, se, xl]
 
+    fuse = P > 1 and fused_merge(GCH * D, P, threads)
     if P > 1:  # float32 partials, and a counter per (sequence, KV head, head chunk)
         ws_acc = C.output(op, "workspace", None, like=q, kind="f32", shape=(S, Hq, P, D))
         ws_ml = C.output(op, "workspace", None, like=q, kind="f32", shape=(S, Hq, P, 2))
         pacc, pml = L.array(ws_acc), L.array(ws_ml)
-        counters = W.param(W.counters(q, stream, S * Hk * NC), "uint32", q)
+        counters = (W.param(W.counters(q, stream, S * Hk * NC), "uint32", q) if fuse
+                    else L.absent("uint32", 1))
     else:
         pacc, pml = L.absent("float32", 4), L.absent("float32", 4)
         counters = L.absent("uint32", 1)
@@ -327,15 +345,23 @@ def _launch_decode(op, a, oa, la, scale, softcap, sliding_window, max_seq_len, s
     cap = float(softcap) if softcap else 0.0
     bsh = B.bit_length() - 1 if B & (B - 1) == 0 else -1
     ints = [D, Hk, G, NC, GCH, P, B, bsh, *strides(a.kstr), *strides(a.vstr),
-            sliding_window or 0, 1 if la is not None else 0]
+            sliding_window or 0, 1 if la is not None else 0, 1 if fuse else 0]
     params = ([L.array(oa), lse_p, pacc, pml, counters, L.array(q), cache_param(a.k, a.kext),
                cache_param(a.v, a.vext), L.array(a.bt), L.array(a.sl), ks, vs]
               + [L.i64(v) for v in ints]
               + [L.f32(scale if cap else scale * LOG2E), L.f32(1.0 / cap if cap else 0.0),
                  L.f32(cap * LOG2E)])
     grid = S * P * Hk * NC
+    two = P > 1 and not fuse
     L.launch(decode_kernel, spec, grid, threads, params, like=q, stream=stream, key=key,
-             warm=lambda: _decode_siblings(spec, G, D))
+             part=(0, 2) if two else (0, 1), warm=lambda: _decode_siblings(spec, G, D))
+    if two:
+        mspec = MergeSpec(q.kind)
+        mthreads = L.forced_threads() or min(256, L.whole_warps(D))
+        mparams = [L.array(oa), lse_p, pacc, pml, L.i64(D), L.i64(Hq), L.i64(P),
+                   L.i64(1 if la is not None else 0)]
+        L.launch(split_merge_kernel, mspec, S * Hq, mthreads, mparams, like=q, stream=stream,
+                 key=key, part=(1, 2))
 
 
 # ---------------------------------------------------------------------------------------------
