@@ -57,7 +57,7 @@ SMALL_BATCH = 256         # rows under which the per-token quant prefers 2 units
 LARGE_WORK = 2 ** 20      # units of 8 outputs from which a chunked thread holds 4 units, not 2
 LARGE_CHUNK_UPT = 4
 SMALL_CHUNK_UPT = 1       # ... and up to SMALL_WORK units, 1 (a short chain of dependent work)
-SMALL_LAYOUT_WORK = SMALL_WORK  # units up to which a gated activation takes the "small" layout
+SMALL_LAYOUT_WORK = 1 << 16     # units up to which a gated activation takes the "small" layout
 SMALL_LAYOUT_THREADS = 128      # its block size (one word, two outputs, a thread)
 MAX_GRID_Y = 65535              # gridDim.y: the small layout's rows
 AMAX_THREADS = 256        # threads of a block of the dynamic per-tensor amax pass
@@ -131,8 +131,11 @@ def small_layout(spec, lead, units, vector):
     two outputs, a thread; no division before the first load): a gated activation without
     quantisation (``small_ok``) on the vector layout's rows, at most ``SMALL_LAYOUT_WORK``
     units of 8 outputs in all, rows that merge into one dimension of at most ``MAX_GRID_Y``.
-    Measured on the H200 (``probe_decode_latency.py``, SmolLM2's 1 x 1536 bf16, CUPTI): two
-    outputs a thread 1.24 µs, eight 1.59-1.61 µs."""
+    Measured on the H200 (``bench_activation.py --tune``, graph replay, bf16 silu_and_mul,
+    small layout against 8 outputs a thread): d = 1536 at 1 / 8 / 32 / 128 rows 1.35 / 1.41 /
+    1.50 / 1.69 against 1.99 / 2.04 / 2.09 / 2.26 µs; d = 14336 at 1 / 8 / 32 rows 1.41 / 1.60
+    / 2.33 against 2.03 / 2.15 / 2.85, but at 128 rows (229,376 units) 5.62 against 4.64 and at
+    1536 x 1024 (196,608) 4.99 against 4.29: hence the bound of 65,536 units."""
     rows = math.prod(lead)
     return (vector and small_ok(spec) and rows * units <= SMALL_LAYOUT_WORK
             and rows <= MAX_GRID_Y and (len(lead) == 1 or lead[0] == 1))
