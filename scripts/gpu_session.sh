@@ -145,6 +145,19 @@ decode_step() {  # decode_step GPU LIMIT PROVIDERS: the graphed decode-step benc
   grep -E "^(forward|reversed) +loomnb" "$R/decode.log" >> "$R/bench_$gpu.log"
 }
 
+decode_before_after() {  # the graphed loop (batch 1 and 64, context 128 and 2048, profiled) with the
+  # previous commit's package (.gpu-base/loomnb, carried) and with this tree, one process each
+  for which in base new; do
+    pp=$PYTHONPATH; [ $which = base ] && pp=$PWD/.gpu-base:$PYTHONPATH
+    mkdir -p "$R/decode_$which"
+    PYTHONPATH=$pp timeout 100 python3 benchmarks/bench_decode.py --out "$R/decode_$which" --batches 1,64 \
+      --contexts 128,2048 --providers loomnb-cuda --modes graph --orders forward --steps 24 --profile \
+      > "$R/decode_$which.log" 2>&1
+    echo "=== decode $which rc=$?" >> "$R/bench_0.log"
+    grep -E "^(forward|reversed) +loomnb" "$R/decode_$which.log" >> "$R/bench_0.log"
+  done
+}
+
 sanitize() {  # sanitize TOOL LIMIT FILES...: compute-sanitizer TOOL over the gpu tests of FILES
   local tool=$1 limit=$2; shift 2
   timeout "$limit" compute-sanitizer --tool "$tool" --report-api-errors no --print-limit 20 \
@@ -226,15 +239,7 @@ elif [ "$part" = U ]; then
     --batches 1,8 --context 128,512,2048 --providers loomnb,loomnb_s64,loomnb_s128,fa3 --no-exact \
     --repeats 7 --target-ms 1
   bench 0 probe 70 benchmarks/probe_decode_latency.py --tokens 1,8
-  for which in base new; do
-    pp=$PYTHONPATH; [ $which = base ] && pp=$PWD/.gpu-base:$PYTHONPATH
-    mkdir -p "$R/decode_$which"
-    PYTHONPATH=$pp timeout 100 python3 benchmarks/bench_decode.py --out "$R/decode_$which" --batches 1,64 \
-      --contexts 128,2048 --providers loomnb-cuda --modes graph --orders forward --steps 24 --profile \
-      > "$R/decode_$which.log" 2>&1
-    echo "=== decode $which rc=$?" >> "$R/bench_0.log"
-    grep -E "^(forward|reversed) +loomnb" "$R/decode_$which.log" >> "$R/bench_0.log"
-  done
+  decode_before_after
   report 40
   exit 0
 elif [ "$part" = U3 ]; then  # session 10, after the merge's rewrite: the GPU suite (xdist), memcheck and
@@ -243,15 +248,7 @@ elif [ "$part" = U3 ]; then  # session 10, after the merge's rewrite: the GPU su
   echo "pytest xdist rc=$?" >> "$R/pytest_xdist.log"
   sanitize memcheck 60 tests/test_attention_gpu.py -k memcheck_small_shapes
   sanitize racecheck 60 tests/test_attention_gpu.py -k memcheck_small_shapes
-  for which in base new; do
-    pp=$PYTHONPATH; [ $which = base ] && pp=$PWD/.gpu-base:$PYTHONPATH
-    mkdir -p "$R/decode_$which"
-    PYTHONPATH=$pp timeout 100 python3 benchmarks/bench_decode.py --out "$R/decode_$which" --batches 1,64 \
-      --contexts 128,2048 --providers loomnb-cuda --modes graph --orders forward --steps 24 --profile \
-      > "$R/decode_$which.log" 2>&1
-    echo "=== decode $which rc=$?" >> "$R/bench_0.log"
-    grep -E "^(forward|reversed) +loomnb" "$R/decode_$which.log" >> "$R/bench_0.log"
-  done
+  decode_before_after
   report 40
   exit 0
 elif [ "$part" = U4 ]; then  # after U3: decode attention at decode sizes vs FA3 (--tune), the probe, and the
