@@ -154,7 +154,7 @@ def test_a_replayed_call_returns_the_callers_or_the_replays_outputs(remembered):
     assert loomnb.silu_and_mul(x) is made[0]
 
 
-def test_the_preamble_keeps_its_conditions(remembered):
+def test_the_preamble_keeps_its_conditions(remembered, monkeypatch):
     """Checked calls, an explicit stream and options of the wrong type take the checked path
     (which rejects the CPU tensors here); the Python-only ``return_lse`` picks the returns."""
     x, w, s = torch.ones(2, 8), torch.ones(8), torch.ones(1)
@@ -169,8 +169,13 @@ def test_the_preamble_keeps_its_conditions(remembered):
     assert cache.keys == []
     q, kc, sl = torch.ones(1, 2, 8), torch.ones(1, 4, 2, 8), torch.ones(1)
     bt = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(loomnb.LoomnbTypeError):  # stream_key="query": CPU, no current stream
+        loomnb.paged_decode_attention(q, kc, kc, bt, sl, 0.5)
+    assert cache.keys == []
     made = torch.empty(1, 2, 8), torch.empty(2, 1)
     cache = remembered(made)
+    # the current stream of these CPU tensors, as a CUDA tensor's would be: stream 0
+    monkeypatch.setitem(loomnb.paged_decode_attention.__globals__, "_stream_of", lambda t: 0)
     assert loomnb.paged_decode_attention(q, kc, kc, bt, sl, 0.5) is made[0]
     assert loomnb.paged_decode_attention(q, kc, kc, bt, sl, 0.5, return_lse=True) == made
     assert cache.keys[0] != cache.keys[1], "return_lse is part of the key"

@@ -38,7 +38,8 @@ A hit returns what the op returns, each output the caller passed or else, in ``o
 the one the replay allocated (as ``_launch.fill``). Where an op's fast path differs:
 
 * ``stream_key="logits"``: the key also holds the current stream of ``logits``' device (the op
-  keeps a workspace per stream); no fast path unless ``logits`` is a CUDA torch tensor;
+  keeps a workspace per stream: the sampling ops, and ``paged_decode_attention``'s split
+  counters, ``stream_key="query"``); no fast path unless that tensor is a CUDA torch tensor;
 * ``optional={"lse": "return_lse"}``: an output computed and returned only when the Python-only
   flag is True or the caller passes it (``paged_decode_attention``); the flag must be a bool
   and is part of the key, and the registered op always computes and returns it;

@@ -195,7 +195,7 @@ def _fake_decode(query, *_, **__):
           "Tensor seq_lens, float scale, *, float? softcap=None, int? sliding_window=None, "
           "str kv_cache_dtype='auto', Tensor? k_scale=None, Tensor? v_scale=None, "
           "int? max_seq_len=None, bool check_indices=False", outputs=("out", "lse"),
-          optional={"lse": "return_lse"}, fake=_fake_decode)
+          optional={"lse": "return_lse"}, stream_key="query", fake=_fake_decode)
 def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, *,
                            softcap=None, sliding_window=None, kv_cache_dtype="auto", k_scale=None,
                            v_scale=None, out=None, return_lse=False, max_seq_len=None, lse=None,
