@@ -29,7 +29,12 @@ Each process reports, with greedy decoding (temperature 0) and EOS ignored:
   counts the CUDA kernels of one step -- all of them, loomnb's (numba names them
   ``_ZN6loomnb...``), and each kernel's count and device time per step (kernels replayed
   inside CUDA graphs included), which is what explains a TPOT difference;
-* the plug-in's routes and routing counts from the worker (``loomnb.integrations.vllm.report``).
+* the plug-in's routes and routing counts from every worker (``loomnb.integrations.vllm.report``,
+  one per tensor-parallel rank, each naming its rank and device; kernel counts are rank 0's).
+
+``--tensor-parallel-size N`` runs every configuration with vLLM's ``tensor_parallel_size=N``
+(NCCL with NVLink multicast off, ``NCCL_NVLS_ENABLE=0``); the targets then include the plug-in
+loaded in all N workers (``plugin_in_every_rank``).
 
 ``--configs`` may add ``loomnb_norms``, ``loomnb_silu`` and ``loomnb_rope``: (b) with one op
 family given to loomnb (``engine_kwargs("loomnb", ops=...)``), tokens only, each compared with
@@ -222,7 +227,7 @@ CHECK_PROMPTS = [
     "The three laws of thermodynamics are",
 ]
 ENV_KEYS = ("VLLM_PLUGINS", "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_ALLOW_INSECURE_SERIALIZATION",
-            "VLLM_DISABLE_COMPILE_CACHE", "PYTHONPATH")
+            "VLLM_DISABLE_COMPILE_CACHE", "NCCL_NVLS_ENABLE", "PYTHONPATH")
 LOOMNB_KERNEL = "loomnb"  # numba's mangled kernel names start _ZN6loomnb...
 
 
@@ -239,6 +244,7 @@ def make_plan(args):
             "tokens": 128 if quick else args.tokens, "reps": 1 if quick else args.reps,
             "profile_batches": [1] if quick else [1, 64], "profile_steps": [8, 24],
             "max_model_len": args.max_model_len, "seed": 0,
+            "tensor_parallel_size": args.tensor_parallel_size,
             "gpu_memory_utilization": args.gpu_memory_utilization}
 
 
@@ -296,6 +302,7 @@ class VllmEngine:
         p = self.plan
         self.llm = LLM(model=p["model"], dtype="bfloat16", seed=p["seed"],
                        max_model_len=p["max_model_len"],
+                       tensor_parallel_size=p.get("tensor_parallel_size", 1),
                        gpu_memory_utilization=p["gpu_memory_utilization"], **self.kwargs)
 
     def generate(self, prompts, max_tokens, logprobs=None):
@@ -318,7 +325,8 @@ class VllmEngine:
         return self.llm.collective_rpc(_rpc_profile_stop)[0]
 
     def plugin_report(self):
-        return self.llm.collective_rpc(_rpc_plugin_report)[0]
+        """The plug-in's report from every worker (one per tensor-parallel rank)."""
+        return self.llm.collective_rpc(_rpc_plugin_report)
 
     def rope_check(self, reset=False):
         return self.llm.collective_rpc(_rpc_rope_check, kwargs={"reset": reset})[0]
@@ -406,11 +414,14 @@ class FakeEngine:
         return [0, 0] if reset else [0, 1000]
 
     def plugin_report(self):
+        ranks = range(self.plan.get("tensor_parallel_size", 1))
         if not self.config.startswith("loomnb"):
-            return {"loaded": False}
-        return {"loaded": True, "plugin": "loomnb.integrations.vllm (fake engine)",
-                "routes": [], "routed_counts": {"rms_norm": 1, "fused_add_rms_norm": 60},
-                "fallback_counts": {}}
+            return [{"loaded": False} for _ in ranks]
+        return [{"loaded": True, "plugin": "loomnb.integrations.vllm (fake engine)",
+                 "process": {"pid": os.getpid(), "rank": r, "world_size": len(ranks),
+                             "device": f"cuda:{r}"},
+                 "routes": [], "routed_counts": {"rms_norm": 1, "fused_add_rms_norm": 60},
+                 "fallback_counts": {}} for r in ranks]
 
     def describe(self):
         return {"vllm_version": "fake", "torch_version": "fake", "gpu": "fake-engine",
@@ -490,7 +501,8 @@ def run_child(args):
                                      "tokens_per_s": batch * n / tf}
     out["launches"] = {str(b): launches(engine, timing_prompts(b), plan["profile_steps"])
                        for b in (plan["profile_batches"] if args.config in CONFIGS else ())}
-    out["plugin"] = engine.plugin_report()
+    per_rank = engine.plugin_report()
+    out["plugin"], out["plugin_per_rank"] = per_rank[0], per_rank  # rank 0's, and every rank's
     Path(args.child_out).write_text(json.dumps(out, indent=1))
     engine.finish()
     return 0
@@ -515,6 +527,7 @@ def child_env(config, plugin_site, compile_cache):
     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if not compile_cache:
         env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+    env["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off (tensor parallelism)
     # (a)/(b): no general plug-in at all; (c) and the ISOLATED ones: loomnb's only; the
     # CONTROLS: the A/B's control plug-in only
     ours = config.startswith("loomnb") or config in CONTROLS
@@ -608,6 +621,25 @@ def run_forwards(run):
     return {"seen": seen, "want": want, "as_configured": ok}
 
 
+def plugin_ranks(runs, plan):
+    """``{"<config>/<order>": {"ranks": [...], "loaded_in_every_rank": bool, "routed_counts":
+    [per rank]}}`` for the runs that load the plug-in: the ranks that reported (as each
+    worker's ``process`` says) against the plan's tensor-parallel size."""
+    tp = plan.get("tensor_parallel_size", 1)
+    out = {}
+    for r in runs:
+        if not (r["config"].startswith("loomnb") and "plugin_per_rank" in r):
+            continue
+        reps = r["plugin_per_rank"]
+        got = [(p.get("process") or {}).get("rank") for p in reps]
+        out[f"{r['config']}/{r['order']}"] = {
+            "ranks": got, "devices": [(p.get("process") or {}).get("device") for p in reps],
+            "loaded_in_every_rank": (len(reps) == tp and all(p.get("loaded") for p in reps)
+                                     and sorted(got) == list(range(tp))),
+            "routed_counts": [p.get("routed_counts") for p in reps]}
+    return out
+
+
 def analyse(runs, plan):
     ok = [r for r in runs if "error" not in r]
     by = {(r["order"], r["config"]): r for r in ok}
@@ -647,6 +679,7 @@ def analyse(runs, plan):
             by_op[c] = by_op.get(c, True) and t["identical"]
     forwards = {f"{r['config']}/{r['order']}": run_forwards(r) for r in ok
                 if r["config"] == "loomnb" or r["config"] in ISOLATED}
+    ranks = plugin_ranks(ok, plan)
     targets = {
         "tokens_c_identical_to_b": bool(c_vs_b) and all(t["identical"] for t in c_vs_b),
         "tokens_identical_to_b_with_only": by_op,
@@ -658,9 +691,12 @@ def analyse(runs, plan):
         # whose plug-in did not report it)
         "custom_op_forwards_as_configured": (None if any(v is None for v in forwards.values())
                                              else all(v["as_configured"] for v in forwards.values())),
+        # every run that loads the plug-in loaded it in every worker (tensor-parallel rank),
+        # each reporting its own rank
+        "plugin_in_every_rank": all(v["loaded_in_every_rank"] for v in ranks.values()),
     }
     return {"targets": targets, "tokens": tokens, "tokens_across_orders": across,
-            "custom_op_forwards": forwards,
+            "custom_op_forwards": forwards, "plugin_per_rank": ranks,
             "tpot": tpot, "init_s": init, "launches_per_decode_step": launch}
 
 
@@ -770,6 +806,9 @@ def main(argv=None):
                          "first three: token checks only, see the module docstring)")
     ap.add_argument("--orders", default="forward,reversed", help="orders to run them in")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="vLLM's tensor_parallel_size (the plug-in loads in every worker; its "
+                         "report is collected from each rank)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--compile-cache", action="store_true",
                     help="keep vLLM's compile cache (init times then depend on the order)")

@@ -258,6 +258,9 @@ def test_register_routes_the_norms(fake_vllm):
         impl = getattr(fake_vllm.ops, name).impls["loomnb"]
         assert impl.impl_fn is V.IR_OPS[name][0] and impl.supported and impl.inplace is inplace
     assert V.report()["vllm_version"] == "0.24.0" and V.report()["registered"]
+    proc = V.report()["process"]  # no torch.distributed here: rank 0 of 1
+    assert proc["pid"] == os.getpid() and (proc["rank"], proc["world_size"]) == (0, 1)
+    assert "(rank 0 of 1, pid" in V.summary()
 
 
 def test_register_twice_changes_nothing(fake_vllm, loomnb_ops):
@@ -890,6 +893,29 @@ def test_bench_dry_run_end_to_end(tmp_path):
             assert a["tpot"][order][batch]["loomnb_speedup_vs_faster_peer"] == pytest.approx(0.95 / 0.9)
     assert a["targets"]["tpot_target_met"] and a["targets"]["all_runs_completed"]
     assert "TPOT (ms)" in p.stdout and "first divergence 3@5" in p.stdout
+
+
+def test_bench_tensor_parallel_collects_every_ranks_report(tmp_path):
+    """--tensor-parallel-size 2: vLLM gets tensor_parallel_size=2 and NVLink multicast off; the
+    plug-in's report comes from both workers (the fake engine's ranks 0 and 1), and the target
+    says it was loaded in every rank; a report missing a rank fails it."""
+    out = tmp_path / "tp.json"
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_vllm_ab.py"), "--dry-run",
+                        "--configs", "vllm_ops,loomnb", "--orders", "forward",
+                        "--tensor-parallel-size", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = json.loads(out.read_text())
+    for r in res["runs"]:
+        assert r["env"]["NCCL_NVLS_ENABLE"] == "0" and len(r["plugin_per_rank"]) == 2
+    ranks = res["analysis"]["plugin_per_rank"]
+    assert list(ranks) == ["loomnb/forward"] and ranks["loomnb/forward"]["ranks"] == [0, 1]
+    assert ranks["loomnb/forward"]["devices"] == ["cuda:0", "cuda:1"]
+    assert res["analysis"]["targets"]["plugin_in_every_rank"]
+    bench = _bench()
+    run = next(r for r in res["runs"] if r["config"] == "loomnb")
+    run["plugin_per_rank"] = run["plugin_per_rank"][:1]
+    assert not bench.plugin_ranks([run], {"tensor_parallel_size": 2})["loomnb/forward"]["loaded_in_every_rank"]
 
 
 def test_bench_one_op_at_a_time(tmp_path):
