@@ -260,7 +260,7 @@ def test_register_routes_the_norms(fake_vllm):
     assert V.report()["vllm_version"] == "0.24.0" and V.report()["registered"]
     proc = V.report()["process"]  # no torch.distributed here: rank 0 of 1
     assert proc["pid"] == os.getpid() and (proc["rank"], proc["world_size"]) == (0, 1)
-    assert "(rank 0 of 1, pid" in V.summary()
+    assert "  process: rank 0 of 1, pid" in V.summary()
 
 
 def test_register_twice_changes_nothing(fake_vllm, loomnb_ops):

@@ -62,8 +62,9 @@ def summary():
     """:func:`report` as text, one line per route and per count."""
     rep = report()
     pr = rep["process"]
-    lines = [f"loomnb {rep['loomnb_version']} {_where()} (rank {pr['rank']} of "
-             f"{pr['world_size']}, pid {pr['pid']}, {pr['device'] or 'no CUDA device yet'}):"]
+    lines = [f"loomnb {rep['loomnb_version']} {_where()}:",
+             f"  process: rank {pr['rank']} of {pr['world_size']}, pid {pr['pid']}, "
+             f"{pr['device'] or 'no CUDA device yet'}"]
     for r in rep["routes"]:
         state = "routed" if r["routed"] else "NOT routed"
         lines.append(f"  {r['vllm_op']} -> {r['loomnb_op']} via {r['mechanism']}: {state} "
