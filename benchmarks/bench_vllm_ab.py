@@ -622,9 +622,11 @@ def run_forwards(run):
 
 
 def plugin_ranks(runs, plan):
-    """``{"<config>/<order>": {"ranks": [...], "loaded_in_every_rank": bool, "routed_counts":
-    [per rank]}}`` for the runs that load the plug-in: the ranks that reported (as each
-    worker's ``process`` says) against the plan's tensor-parallel size."""
+    """``{"<config>/<order>": {"ranks", "devices", "loaded_in_every_rank", "routed_counts",
+    "fallback_counts"}}`` for the runs that load the plug-in (lists: one entry per worker): the
+    ranks that reported (each worker's ``process``: torch.distributed's global rank, which is
+    the tensor-parallel rank while there is no pipeline or data parallelism) against the plan's
+    tensor-parallel size."""
     tp = plan.get("tensor_parallel_size", 1)
     out = {}
     for r in runs:
@@ -636,7 +638,8 @@ def plugin_ranks(runs, plan):
             "ranks": got, "devices": [(p.get("process") or {}).get("device") for p in reps],
             "loaded_in_every_rank": (len(reps) == tp and all(p.get("loaded") for p in reps)
                                      and sorted(got) == list(range(tp))),
-            "routed_counts": [p.get("routed_counts") for p in reps]}
+            "routed_counts": [p.get("routed_counts") for p in reps],
+            "fallback_counts": [p.get("fallback_counts") for p in reps]}
     return out
 
 
@@ -693,7 +696,9 @@ def analyse(runs, plan):
                                              else all(v["as_configured"] for v in forwards.values())),
         # every run that loads the plug-in loaded it in every worker (tensor-parallel rank),
         # each reporting its own rank
-        "plugin_in_every_rank": all(v["loaded_in_every_rank"] for v in ranks.values()),
+        # (None: no run loads the plug-in)
+        "plugin_in_every_rank": (all(v["loaded_in_every_rank"] for v in ranks.values())
+                                 if ranks else None),
     }
     return {"targets": targets, "tokens": tokens, "tokens_across_orders": across,
             "custom_op_forwards": forwards, "plugin_per_rank": ranks,

@@ -38,7 +38,7 @@ a grid has fewer than 2^31 blocks) and every element and word offset is 64-bit.
 
 Parameters (one signature for every variant; an unused array is empty):
 ``out, x, scales, scale, partials, p0, p1, d`` -- ``out``/``x`` ``[n0, n1, *]`` (uint32 words in
-the vector layout, storage elements in the scalar one), ``scales [rows, G]`` float32 with any
+the vector and small layouts, storage elements in the scalar one), ``scales [rows, G]`` float32 with any
 strides (token: ``G = 1``), ``scale [1]`` float32 (static scale, per-tensor scale out, or
 ``scale_ub``), ``partials [P]`` float32, ``p0``/``p1`` float32 (FATReLU threshold; SwiGLU-OAI
 alpha and limit; group eps), ``d`` int64 (the output row length).

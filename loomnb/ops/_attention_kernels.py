@@ -1,5 +1,6 @@
 """Paged decode attention kernels: a split-K pass over the context whose last split CTA does the
-LSE merge, and vLLM's ``merge_attn_states``. Each factory is specialised by a small frozen spec.
+LSE merge where ``attention.fused_merge`` says so (else a separate merge kernel), and vLLM's
+``merge_attn_states``. Each factory is specialised by a small frozen spec.
 
 **Decode pass** (:func:`decode_kernel`, :class:`DecodeSpec`). One CTA per ``(sequence, split,
 KV head, head chunk)``: it serves ``GC = spec.gc`` (1 to 4) query heads of one KV head, so a KV
@@ -46,7 +47,8 @@ sum_p w_p l_p)``, ``lse = (M + log2(sum w l)) * ln 2``. Warp ``g`` forms head ``
 already in flight; then one thread per output element sums its partials in split order
 (deterministic: bit-identical run to run). No second launch, and nothing walks the splits
 one load at a time.
-Merges too large for one CTA to load in one round (``attention.fused_merge``) go to
+Merges with more outputs than the CTA has threads, or more than ``2 * MERGE_LOADS`` splits
+(``attention.fused_merge``), go to
 :func:`split_merge_kernel` instead, one CTA per (sequence, head), launched after the pass
 (``fuse = 0``).
 

@@ -22,9 +22,10 @@ quantised).
 
 Rows: the last dimension must be contiguous; leading dimensions may have any strides that merge
 into at most two strided dimensions. Rows whose start is 16-byte aligned (8 for FP8 outputs) and
-whose length is a multiple of 8 move 16 bytes per load and store; any other row (``d = 3420``
-bf16, whose second half starts 6,840 bytes in) takes the element-wise layout -- never a
-misaligned vector access.
+whose length is a multiple of 8 move 16 bytes per load and store (decode-size gated
+activations: one 4-byte word, two outputs, a thread, :func:`small_layout`); any other row
+(``d = 3420`` bf16, whose second half starts 6,840 bytes in) takes the element-wise layout --
+never a misaligned vector access.
 """
 
 from __future__ import annotations

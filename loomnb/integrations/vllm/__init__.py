@@ -41,9 +41,9 @@ from .ir import (IR_OPS, ir_fused_add_rms_norm, ir_fused_add_rms_norm_supported,
                  ir_rms_norm_supported)
 from .registration import (_STATE, CONFIGS, OPS, PROVIDER, Route, _reset, engine_kwargs, register,
                            routes)
-from .reporting import report, summary
+from .reporting import process, report, summary
 
-__all__ = ["register", "routes", "report", "summary", "routed_counts", "fallback_counts",
+__all__ = ["register", "routes", "report", "summary", "process", "routed_counts", "fallback_counts",
            "reset_counts", "custom_op_mode", "custom_op_modes", "engine_kwargs",
            "rms_norm_fallback_reason", "silu_and_mul_fallback_reason",
            "rotary_embedding_fallback_reason", "loomnb_op", "Route", "PROVIDER", "CONFIGS", "OPS"]
