@@ -46,11 +46,10 @@ sum_p w_p l_p)``, ``lse = (M + log2(sum w l)) * ln 2``. Warp ``g`` forms head ``
 (two splits a lane, warp shuffles) while each thread's first ``MERGE_LOADS`` partials are
 already in flight; then one thread per output element sums its partials in split order
 (deterministic: bit-identical run to run). No second launch, and nothing walks the splits
-one load at a time.
-Merges with more outputs than the CTA has threads, or more than ``2 * MERGE_LOADS`` splits
-(``attention.fused_merge``), go to
-:func:`split_merge_kernel` instead, one CTA per (sequence, head), launched after the pass
-(``fuse = 0``).
+one load at a time. Merges with more outputs than the CTA has threads, or more than ``2 *
+MERGE_LOADS`` splits (``attention.fused_merge``), go to :func:`split_merge_kernel` instead,
+one CTA per (sequence, head), launched after the pass (``fuse = 0``). The kernel's merge is
+correct for any ``P <= MAX_SPLITS`` (two splits a lane); the bound is only the rule's.
 
 **merge_attn_states** (:func:`merge_states_kernel`): one warp per (token, head), lanes over
 head_size, vLLM 0.24's formula (``expf``, ``logf``, ``fmaf(p_out, p_scale, s_out * s_scale)``).
