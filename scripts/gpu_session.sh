@@ -81,6 +81,8 @@
 #   bash scripts/gpu_session.sh U3  # U's suite, sanitizers and loop (before/after) again after a change;
 #                                   # U4: U's attention benchmark, the probe and U2's benchmark;
 #                                   # U5 (nothing staged): attention GPU tests and benchmark, loomnb only
+#   bash scripts/gpu_session.sh S11 # after part S, Y and the last bundle of numpy,model: the model's GPU
+#                                   # tests and the graphed loop at batch 1, 8, 64 (context 128, 2048)
 #   bash scripts/gpu_session.sh Y [CMD]  # after X, with each later bundle: run CMD, then collect the
 #                                   # detached runs' logs so far
 # Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
@@ -214,6 +216,22 @@ elif [ "$part" = S2 ]; then  # session 9, after the last bundle (env.sh sourced)
     > /tmp/res_bg/overhead.log 2>&1
   echo "overhead rc=$?" >> /tmp/res_bg/overhead.log
   tail -2 /tmp/res_bg/pytest_xdist.log; tail -3 /tmp/res_bg/pytest_staged.log; grep -E "rms_norm \(out=\)|vllm|rc=" /tmp/res_bg/overhead.log
+  exit 0
+elif [ "$part" = S11 ]; then  # session 11, after the last bundle of numpy,model (S and Y before it): wait
+  # for part S's xdist run, then the model's GPU tests and the graphed loop (batch 1, 8 and 64,
+  # context 128 and 2048, both orders, profiled) with the split-K merge rule as committed
+  for _ in $(seq 60); do grep -q "pytest xdist rc=" /tmp/res_bg/pytest_xdist.log 2>/dev/null && break; sleep 5; done
+  timeout 150 python3 -m pytest -q -rfEs -m gpu -n 4 tests/test_model.py tests/test_speculative_loop.py \
+    tests/test_eos.py tests/test_cli.py -p no:cacheprovider > /tmp/res_bg/pytest_staged.log 2>&1
+  echo "pytest staged rc=$?" >> /tmp/res_bg/pytest_staged.log
+  mkdir -p /tmp/res_bg/decode
+  timeout 230 python3 benchmarks/bench_decode.py --out /tmp/res_bg/decode --batches 1,8,64 --contexts 128,2048 \
+    --providers loomnb-cuda --modes graph --steps 24 --profile > /tmp/res_bg/decode.log 2>&1
+  echo "decode rc=$?" >> /tmp/res_bg/decode.log
+  tar czf "$OUT/session_S11.tgz" -C /tmp/res_bg .
+  tail -2 /tmp/res_bg/pytest_xdist.log; grep -hE "^(FAILED|ERROR) " /tmp/res_bg/pytest_*.log | head -20
+  tail -3 /tmp/res_bg/pytest_staged.log; grep -E "rc=" /tmp/res_bg/memcheck_*.log
+  grep -E "^(forward|reversed) +loomnb|rc=" /tmp/res_bg/decode.log
   exit 0
 elif [ "$part" = O ]; then  # session 9: the GPU suite in plain order (no xdist), as four processes side
   # by side, each over a contiguous quarter of the sorted test files, in file and test order
