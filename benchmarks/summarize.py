@@ -33,7 +33,8 @@ PROVIDER_ORDER = ["loomnb", "vllm", "torch_compile", "liger", "torch"]
 SUBJECT = "loomnb"
 
 
-FAMILY_PREFIXES = ("norm", "activation", "rope_cache", "decode_attention", "sampling", "spec")
+FAMILY_PREFIXES = ("norm", "activation", "rope_cache", "decode_attention", "sampling", "spec",
+                   "kv_blocks")
 
 
 def _newest_of_each(results_dir: Path, patterns=None) -> list[Path]:

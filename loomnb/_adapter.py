@@ -153,6 +153,33 @@ def wrap(op, name, obj):
     return _wrap_cai(op, name, obj, cai)
 
 
+def wrap_host(op, name, obj):
+    """:func:`wrap`, also taking page-locked (pinned) host memory: a CPU torch tensor made with
+    ``pin_memory=True`` (``.pin_memory()``), described by the pointer a kernel reads it
+    through (``cuMemHostGetDevicePointer``: the host pointer itself under unified addressing);
+    ``device`` is ``-1``. Under the simulator, every NumPy array is "host memory". A pageable
+    host tensor is a :class:`LoomnbValueError` (kernels cannot reach it)."""
+    torch = _torch
+    if SIM or torch is None or not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
+        return wrap(op, name, obj)
+    if not obj.is_pinned():
+        raise LoomnbValueError(
+            f"{op}: argument '{name}' must be a CUDA tensor or pinned (page-locked) host memory; "
+            f"got a pageable CPU tensor of shape {list(obj.shape)}. Allocate it with "
+            "pin_memory=True, or call .pin_memory()")
+    ptr = obj.data_ptr()
+    if obj.numel():
+        from cuda.bindings import driver
+        err, dptr = driver.cuMemHostGetDevicePointer(ptr, 0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise LoomnbValueError(f"{op}: argument '{name}': its pinned memory is not mapped "
+                                   f"into the device's address space ({err!r})")
+        ptr = int(dptr)
+    kind = _torch_kinds.get(obj.dtype)
+    return Arr(obj, "torch", kind, str(obj.dtype).replace("torch.", ""), obj.shape,
+               obj.stride(), ptr, -1)
+
+
 def _wrap_cai(op, name, obj, cai):
     """An object exporting ``__cuda_array_interface__`` (versions 0-3), read whole: the dtype
     from the object (never the typestr, which torch has exported as ``<f2``/``<V2`` for bf16),

@@ -83,6 +83,8 @@
 #                                   # U5 (nothing staged): attention GPU tests and benchmark, loomnb only
 #   bash scripts/gpu_session.sh S11 # after part S, Y and the last bundle of numpy,model: the model's GPU
 #                                   # tests and the graphed loop at batch 1, 8, 64 (context 128, 2048)
+#   bash scripts/gpu_session.sh KV  # after the last bundle of numpy,vllm: the KV-movement family's GPU
+#                                   # tests and op cases, memcheck over them, its benchmark vs vLLM
 #   bash scripts/gpu_session.sh Y [CMD]  # after X, with each later bundle: run CMD, then collect the
 #                                   # detached runs' logs so far
 # Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
@@ -216,6 +218,28 @@ elif [ "$part" = S2 ]; then  # session 9, after the last bundle (env.sh sourced)
     > /tmp/res_bg/overhead.log 2>&1
   echo "overhead rc=$?" >> /tmp/res_bg/overhead.log
   tail -2 /tmp/res_bg/pytest_xdist.log; tail -3 /tmp/res_bg/pytest_staged.log; grep -E "rms_norm \(out=\)|vllm|rc=" /tmp/res_bg/overhead.log
+  exit 0
+elif [ "$part" = KV ]; then  # session 12, after the last bundle of numpy,vllm: the kv_blocks family
+  # (its GPU file; every op case's zero-size, property, no-recompile checks; the loop's prefix
+  # reuse and torch ops), memcheck over its GPU file, then its benchmark beside vLLM's ops
+  sel="copy_blocks or swap_blocks or gather_cache or compact_blocks or concat_and_cache_mla"
+  timeout 200 python3 -m pytest -q -rfEs -m gpu -n 8 tests/test_kv_blocks_gpu.py tests/test_prefix_reuse.py \
+    tests/test_torch_ops_gpu.py -p no:cacheprovider > "$R/pytest_kv.log" 2>&1
+  echo "pytest kv rc=$?" >> "$R/pytest_kv.log"
+  timeout 200 python3 -m pytest -q -rfEs -m gpu -n 8 tests/test_zero_size.py tests/test_fuzz.py \
+    tests/test_recompile_gpu.py -k "$sel" -p no:cacheprovider > "$R/pytest_cases.log" 2>&1
+  echo "pytest cases rc=$?" >> "$R/pytest_cases.log"
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q -m gpu \
+    tests/test_kv_blocks_gpu.py -k "not large and not serving_sizes and not device_assert" \
+    -p no:cacheprovider > "$R/memcheck_kv.log" 2>&1
+  echo "memcheck rc=$?" >> "$R/memcheck_kv.log"
+  mkdir -p "$R/bench"
+  timeout 240 python3 benchmarks/bench_kv_blocks.py --vllm-lib "$LOOMNB_VLLM_LIB" --out "$R/bench" \
+    > "$R/bench.log" 2>&1
+  echo "bench rc=$?" >> "$R/bench.log"
+  tar czf "$OUT/session_KV.tgz" -C "$R" .
+  tail -3 "$R/pytest_kv.log" "$R/pytest_cases.log"; grep -hE "^(FAILED|ERROR) " "$R"/pytest_*.log | head -20
+  grep -E "ERROR SUMMARY|passed|rc=" "$R/memcheck_kv.log"; tail -40 "$R/bench.log"
   exit 0
 elif [ "$part" = S11 ]; then  # session 11, after the last bundle of numpy,model (S and Y before it): wait
   # for part S's xdist run, then the model's GPU tests and the graphed loop (batch 1, 8 and 64,

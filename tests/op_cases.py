@@ -675,13 +675,192 @@ def _(rng, d, kind, special):
             b["bonus_token_ids"], b["max_spec_len"]), {}
 
 
+# ---------------------------------------------------------------- kv_blocks
+KVB_DIMS = {"num_layers": 2, "num_pairs": 3, "num_blocks": 6, "block_size": 4, "num_kv_heads": 2,
+            "head_size": 2}
+KVB_RANGES = {"num_layers": (1, 3), "num_pairs": (1, 5), "num_blocks": (2, 8),
+              "block_size": (1, 4), "num_kv_heads": (1, 2), "head_size": (1, 3)}
+FLASH_LAYOUTS = ("interleaved_nhd", "interleaved_hnd", "split_nhd", "split_hnd")
+
+
+def _pairs(rng, P, nb, nsrc=None):
+    """``P`` rows ``(src, dst)``: distinct destinations that are nobody's source, sources drawn
+    with repeats (one block forked to several), a ``-1`` row (padding) among them when P > 1
+    and rows past what the pool allows. ``nsrc``: the source pool's blocks (default nb; a
+    swap's pools differ)."""
+    if nsrc is not None:  # two pools: any source, distinct destinations
+        dst = rng.permutation(max(nb, P))[:P]
+        src = rng.integers(0, max(nsrc, 1), P)
+        m = np.stack([src, dst], 1).astype(np.int64)
+        m[(m[:, 1] >= nb) | (nsrc == 0)] = -1
+    else:
+        perm = rng.permutation(nb)
+        k = min(P, max(nb - 1, 0))
+        dst, pool = perm[:k], perm[k:]
+        src = pool[rng.integers(0, len(pool), k)] if len(pool) else np.zeros(k, np.int64)
+        m = np.full((P, 2), -1, np.int64)
+        m[:k] = np.stack([src, dst], 1)
+        m = m[rng.permutation(P)]
+    if P > 1:
+        m[int(rng.integers(0, P))] = -1
+    return np.ascontiguousarray(m)
+
+
+def _kv_kind(rng, kind):
+    kv = str(rng.choice(["auto", "auto", "fp8", "fp8_e5m2"]))
+    return (DT[kind] if kv == "auto" else
+            {"fp8": np.uint8, "fp8_e5m2": ml_dtypes.float8_e5m2}[kv])
+
+
+def _garbage(rng, a):
+    a.view(np.uint8)[...] = rng.integers(0, 256, a.view(np.uint8).shape)
+    return a
+
+
+def _layer_caches(rng, d, kind):
+    """Every layer's key and value caches in one random layout (the legacy one too)."""
+    Hk, nb, bs, D = d["num_kv_heads"], d["num_blocks"], d["block_size"], _head_size(d)
+    layout = str(rng.choice(FLASH_LAYOUTS + ("legacy_xpacked",)))
+    cdt = _kv_kind(rng, kind)
+    if layout == "legacy_xpacked" and D % 16:
+        D = 16 * -(-D // 16) if D else 0
+    kcs, vcs = [], []
+    for _ in range(d["num_layers"]):
+        kvc = pk.allocate_kv_cache(layout, max(nb, 1), max(bs, 1), max(Hk, 1), D or 16, cdt,
+                                   lib="numpy", fill=0)
+        _garbage(rng, kvc)
+        kc, vc = pk.kv_views(kvc, layout, max(Hk, 1), D or 16)
+        axes = _CACHE_AXES["legacy_xpacked" if layout == "legacy_xpacked" else "flash"]
+        for i, n in enumerate((nb, bs, Hk, D)):
+            if n == 0:
+                kc, vc = zero_along(kc, axes[0][i]), zero_along(vc, axes[1][i])
+        kcs.append(kc)
+        vcs.append(vc)
+    return kcs, vcs, layout
+
+
+@case("copy_blocks", "kv_blocks", KVB_DIMS,
+      zero=("num_layers", "num_pairs", "block_size", "num_kv_heads", "head_size"),
+      ranges=KVB_RANGES, specials=False, recompile_dim="num_pairs")
+def _(rng, d, kind, special):
+    kcs, vcs, layout = _layer_caches(rng, d, kind)
+    m = _pairs(rng, d["num_pairs"], d["num_blocks"])
+    if layout.startswith("interleaved") and kcs and kcs[0].size and rng.random() < 0.3:
+        return ([k.base for k in kcs], [], m), {}  # whole [num_blocks, 2, ...] buffers, one list
+    return (kcs, vcs, m), {}
+
+
+@case("swap_blocks", "kv_blocks", {k: KVB_DIMS[k] for k in KVB_DIMS if k != "num_layers"},
+      zero=("num_pairs", "num_blocks", "block_size", "num_kv_heads", "head_size"),
+      ranges={k: v for k, v in KVB_RANGES.items() if k != "num_layers"}, specials=False,
+      recompile_dim="num_pairs")
+def _(rng, d, kind, special):
+    Hk, nb, bs, D = d["num_kv_heads"], d["num_blocks"], d["block_size"], _head_size(d)
+    dt = _kv_kind(rng, kind)
+    ns = int(rng.integers(1, 6)) if nb else 0
+    src = _garbage(rng, np.zeros((ns, bs, Hk, D), dt))
+    dst = _garbage(rng, np.zeros((nb, bs, Hk, D), dt))
+    full = bs * Hk * D * np.dtype(dt).itemsize
+    n = full if rng.random() < 0.7 or full == 0 else int(rng.integers(0, full + 1))
+    return (src, dst, n, _pairs(rng, d["num_pairs"], nb, ns)), {}
+
+
+@case("compact_blocks", "kv_blocks", dict(KVB_DIMS, num_blocks=40, block_size=2, head_size=1),
+      zero=("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_size"),
+      ranges=dict(KVB_RANGES, num_blocks=(0, 48)), specials=False, recompile_dim="num_blocks")
+def _(rng, d, kind, special):
+    kcs, vcs, _ = _layer_caches(rng, d, kind)
+    nb = d["num_blocks"]
+    n = nb if rng.random() < 0.7 else int(rng.integers(0, nb + 1))
+    perm = rng.permutation(n).astype(np.int64)
+    if n > 3 and rng.random() < 0.3:  # some fixed points
+        keep = rng.random(n) < 0.5
+        idx = np.flatnonzero(~keep)
+        perm = np.arange(n, dtype=np.int64)
+        perm[idx] = idx[rng.permutation(len(idx))]
+    caches = kcs + vcs
+    return ((caches if rng.random() < 0.8 or not caches else caches[0]), perm), {}
+
+
+GATHER_DIMS = {"num_seqs": 2, "seq_len": 6, "num_blocks": 5, "block_size": 4, "num_kv_heads": 2,
+               "head_size": 2}
+GATHER_RANGES = {"num_seqs": (1, 3), "seq_len": (0, 9), "num_blocks": (1, 5),
+                 "block_size": (1, 4), "num_kv_heads": (1, 2), "head_size": (1, 3)}
+
+
+@case("gather_cache", "kv_blocks", GATHER_DIMS,
+      zero=("num_seqs", "seq_len", "block_size", "num_kv_heads", "head_size"),
+      ranges=GATHER_RANGES, recompile_dim="num_seqs")
+def _(rng, d, kind, special):
+    S, Hk, nb, bs, D = (d["num_seqs"], d["num_kv_heads"], d["num_blocks"], d["block_size"],
+                        _head_size(d))
+    kv = str(rng.choice(["auto", "auto", "fp8", "fp8_e4m3", "fp8_e5m2"]))
+    mla = rng.random() < 0.25 and Hk > 0
+    if kv == "auto":
+        src = values(rng, (nb, max(bs, 1), Hk, D), kind, special)
+        if rng.random() < 0.5:  # a K view of an interleaved cache
+            layout = str(rng.choice(FLASH_LAYOUTS))
+            kvc = pk.allocate_kv_cache(layout, nb, max(bs, 1), max(Hk, 1), D or 16, DT[kind],
+                                       lib="numpy", fill=0)
+            _garbage(rng, kvc)
+            src = pk.kv_views(kvc, layout, max(Hk, 1), D or 16)[int(rng.integers(0, 2))]
+            src = src[:, :, :Hk, :D]
+    else:
+        cdt = {"fp8": E4M3, "fp8_e4m3": np.uint8, "fp8_e5m2": ml_dtypes.float8_e5m2}[kv]
+        src = _garbage(rng, np.zeros((nb, max(bs, 1), Hk, D), cdt))
+    if bs == 0:
+        src = src[:, :0]
+    if mla:
+        src = src[:, :, 0]
+    lens = rng.integers(0, d["seq_len"] + 1, S) * (bs > 0)
+    starts = rng.integers(0, 5, S) if rng.random() < 0.4 else None
+    top = lens + (starts if starts is not None else 0)
+    nbl = max(1, int(-(-top.max() // max(bs, 1))) if S else 1)
+    bt = rng.integers(0, nb, (S + int(rng.integers(0, 2)), nbl)).astype(np.int32)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    rows = int(cu[-1]) + int(rng.integers(0, 3))
+    dkind = kind
+    dst = _garbage(rng, np.zeros((rows,) + src.shape[2:], DT[dkind] if kv != "auto" else
+                                 src.dtype))
+    scale = f32_scalar(float(rng.uniform(0.01, 2.0)))
+    return (src, dst, bt, cu, kv, scale if kv != "auto" or rng.random() < 0.5 else None,
+            starts.astype(np.int32) if starts is not None else None), {}
+
+
+MLA_DIMS = {"num_tokens": 3, "kv_lora_rank": 16, "pe_dim": 8, "num_blocks": 3, "block_size": 2}
+MLA_RANGES = {"num_tokens": (1, 5), "kv_lora_rank": (1, 24), "pe_dim": (1, 16),
+              "num_blocks": (1, 3), "block_size": (1, 3)}
+
+
+@case("concat_and_cache_mla", "kv_blocks", MLA_DIMS,
+      zero=("num_tokens", "kv_lora_rank", "pe_dim", "num_blocks", "block_size"),
+      ranges=MLA_RANGES, recompile_dim="num_tokens")
+def _(rng, d, kind, special):
+    T, Lr, P, nb, bs = (d["num_tokens"], d["kv_lora_rank"], d["pe_dim"], d["num_blocks"],
+                        d["block_size"])
+    if rng.random() < 0.5:  # vLLM's widths, scaled down: multiples of 8
+        Lr, P = 8 * -(-Lr // 8), 8 * -(-P // 8)
+    buf = values(rng, (T, Lr + P + 3), kind, special, 2.0)
+    kv_c, k_pe = buf[:, :Lr], buf[:, Lr + 3:]
+    if rng.random() < 0.5:
+        k_pe = k_pe[:, None, :]
+    kv = str(rng.choice(["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]))
+    cdt = DT[kind] if kv == "auto" else {"fp8": np.uint8, "fp8_e4m3": E4M3,
+                                         "fp8_e5m2": ml_dtypes.float8_e5m2}[kv]
+    cache = _garbage(rng, np.zeros((nb, bs, Lr + P), cdt))
+    scale = f32_scalar(float(rng.uniform(0.01, 0.5)))
+    return (kv_c, k_pe, cache, _slots(rng, T, nb, bs), kv,
+            scale if kv != "auto" or rng.random() < 0.5 else None), {}
+
+
 # ---------------------------------------------------------------- what a serving loop grows
 # The sizes each grown dimension takes in the no-recompile tests: past every size rule of the
 # families (activation: 1, 2 and 4 units a thread at 33,792 and 2^20 units; attention: 1/2/4
 # heads a CTA, the vector lanes past a wave, split-K from 256 tokens).
 GROWN_SIZES = {"num_tokens": (1, 3, 250, 20000, 400000), "num_rows": (1, 3, 250, 20000),
                "num_reqs": (1, 3, 250, 2000), "num_seqs": (1, 3, 64, 300),
-               "seq_len": (1, 40, 300, 5000)}
+               "seq_len": (1, 40, 300, 5000), "num_pairs": (1, 3, 250, 2000),
+               "num_blocks": (40, 200, 2000)}
 
 
 def grown():
@@ -740,9 +919,12 @@ def to_device(x):
         t = flat.view(dt) if flat.numel() else torch.empty(0, dtype=dt, device="cuda")
         return torch.as_strided(t, a.shape, tuple(s // isz for s in a.strides), off // isz)
 
+    def any_(v):
+        return [one(e) for e in v] if isinstance(v, list) else one(v)
+
     if isinstance(x, dict):
-        return {k: one(v) for k, v in x.items()}
-    return tuple(one(v) for v in x)
+        return {k: any_(v) for k, v in x.items()}
+    return tuple(any_(v) for v in x)
 
 
 def to_host(x):

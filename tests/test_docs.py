@@ -274,7 +274,7 @@ def test_user_docs_speak_to_a_user():
 def test_readme_says_how_long_the_two_commands_take_and_how_to_run_the_notebooks():
     readme = " ".join((REPO / "README.md").read_text().split())
     assert "about 2 minutes, most of it downloads" in readme
-    assert "about 21-31 minutes for both passes" in readme
+    assert "about 45-60 minutes for both passes" in readme
     assert "python3 scripts/run_notebooks.py --simulator" in readme and "writes nothing" in readme
     assert "--threads N" in readme and "$OMP_NUM_THREADS" in readme
     assert "--ignore-eos" in readme

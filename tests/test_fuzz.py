@@ -32,7 +32,8 @@ GPU_EXAMPLES = int(os.environ.get("LOOMNB_FUZZ_EXAMPLES", "30"))
 def _arrays(x):
     if isinstance(x, dict):
         x = tuple(x.values())
-    return [a for a in x if isinstance(a, np.ndarray)]
+    flat = [e for a in x for e in (a if isinstance(a, list) else (a,))]  # Tensor[] arguments
+    return [a for a in flat if isinstance(a, np.ndarray)]
 
 
 def check_case(name, dims, kind, special, seed, mode):

@@ -123,7 +123,23 @@ def _spec_decode_checks(spec, ptx):
         assert "bar.sync" not in ptx, "verification alone needs no barrier"
 
 
-FAMILY_CHECKS = {"_norm_kernels": _norm_checks, "_sampling_kernels": _sampling_checks, "_activation_kernels": _activation_checks, "_rope_cache_kernels": _rope_cache_checks, "_attention_kernels": _attention_checks, "_spec_decode_kernels": _spec_decode_checks}
+def _kv_blocks_checks(spec, ptx):
+    """The block copies and chains move 16 (8) bytes an instruction at units of 16 (8); the
+    vector gathers and MLA writes too, and FP8 conversions use the hardware instructions."""
+    name = type(spec).__name__
+    unit = getattr(spec, "unit", None)
+    if unit == 16 or getattr(spec, "layout", None) == "vector":
+        assert "ld.v4.u32" in ptx or "ld.v2.u32" in ptx, "vector loads"
+        assert "st.v4.u32" in ptx or "st.v2.u32" in ptx, "vector stores"
+    if unit == 8:
+        assert "ld.v2.u32" in ptx and "st.v2.u32" in ptx
+    if name == "MlaSpec" and spec.kv == "fp8_e4m3":
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    if name == "MlaSpec" and spec.kv == "fp8_e5m2":
+        assert "cvt.rn.satfinite.e5m2x2.f32" in ptx
+
+
+FAMILY_CHECKS = {"_norm_kernels": _norm_checks, "_sampling_kernels": _sampling_checks, "_activation_kernels": _activation_checks, "_rope_cache_kernels": _rope_cache_checks, "_attention_kernels": _attention_checks, "_spec_decode_kernels": _spec_decode_checks, "_kv_blocks_kernels": _kv_blocks_checks}
 
 
 def test_every_family_declares_variants():

@@ -44,7 +44,8 @@ def test_every_oracle_has_its_ops_signature():
 def _arrays(x):
     if isinstance(x, dict):
         x = tuple(x.values())
-    return [a for a in x if isinstance(a, np.ndarray)]
+    flat = [e for a in x for e in (a if isinstance(a, list) else (a,))]  # Tensor[] arguments
+    return [a for a in flat if isinstance(a, np.ndarray)]
 
 
 def sweep_one(name, dim, device):

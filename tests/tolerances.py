@@ -64,6 +64,9 @@ TOL = {
     # spec_decode: integer comparisons, an argmax (an order, no arithmetic) and integer scans --
     # every output of rejection_greedy_sample and greedy_verify is compared bit for bit.
     ("spec_decode", "any"): (0, 0.0, "comparisons, argmax and integer compaction: bit-exact"),
+    # kv_blocks: byte copies, and FP8 conversions of one element each (x / scale to a code,
+    # f32(code) * scale to the dst dtype): bit-exact; a float32 NaN's payload is not compared.
+    ("kv_blocks", "any"): (0, 0.0, "copies and per-element FP8 conversions: bit-exact"),
 }
 
 # relative tolerance of the per-token FP8 scale: amax/448 of values that are bit-exact but for

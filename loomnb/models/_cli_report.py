@@ -55,7 +55,12 @@ def report(result, header: str, max_new_tokens: int) -> None:
     if steps is not None and steps < max_new_tokens - 1:
         ended = (f"; every sequence ended at end-of-text after {steps} of {max_new_tokens - 1} "
                  "decode steps")
-    print(f"prefill: {result.num_prefill_tokens} tokens in {result.prefill_time_s:.3f} s "
+    reuse = ""
+    if getattr(result, "prefix_caching", False):
+        cached = result.num_cached_prefill_tokens
+        reuse = (f" ({result.num_prefill_tokens - cached} computed, {cached} from the prefix "
+                 f"cache)")
+    print(f"prefill: {result.num_prefill_tokens} tokens{reuse} in {result.prefill_time_s:.3f} s "
           f"({result.prefill_tokens_per_s:.1f} tok/s); decode: {result.num_decode_tokens} tokens "
           f"in {result.decode_time_s:.3f} s ({result.decode_tokens_per_s:.1f} tok/s){ended}"
           + _decode_mode(result))

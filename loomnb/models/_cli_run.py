@@ -81,13 +81,15 @@ def _run(args, plan) -> int:
         then = f"{m - 1} decode step(s)"
     else:
         then = f"up to {m - 1} decode step(s) (each sequence until its end-of-text token)"
-    print(f"prefill {len(args.prompt)} prompt(s) of {lens} tokens{chat}, then {then}; "
+    reuse = "; prefix caching on" if args.prefix_caching else ""
+    print(f"prefill {len(args.prompt)} prompt(s) of {lens} tokens{chat}{reuse}, then {then}; "
           f"memory-bound ops on {plan.backend}", flush=True)
     show = sys.stderr.isatty() if args.progress is None else args.progress
     if args.speculative:
         return _speculative(model, args, plan, show)
     result = _generate_with_progress(model, args, plan.backend, show, "generate",
-                                     cuda_graphs=plan.cuda_graphs)
+                                     cuda_graphs=plan.cuda_graphs,
+                                     prefix_caching=args.prefix_caching)
     report(result, "generate", m)
     if args.logprobs:
         report_logprobs(result, model.tokenizer)
@@ -127,9 +129,9 @@ def _speculative(model, args, plan, show) -> int:
 
 def _check_reference(model, args, result, show, what: str) -> int:
     """``--check-reference`` (else ``EXIT_OK``): decode with the torch-reference backend (plain
-    greedy, the same stopping rule), report each divergence, and return 0 if ``result``'s tokens
-    are identical (or part only at near-ties, with ``--allow-near-ties``), else 1
-    (:func:`~loomnb.models._cli_report.reference_verdict`)."""
+    greedy, the same stopping rule, no prefix caching), report each divergence, and return 0
+    if ``result``'s tokens are identical (or part only at near-ties, with
+    ``--allow-near-ties``), else 1 (:func:`~loomnb.models._cli_report.reference_verdict`)."""
     if not args.check_reference:
         return EXIT_OK
     print("check-reference: decoding again with the torch-reference backend", flush=True)
@@ -139,14 +141,15 @@ def _check_reference(model, args, result, show, what: str) -> int:
 
 
 def _generate_with_progress(model, args, backend, show, label, cuda_graphs=False, prompts=None,
-                            ignore_eos=None):
+                            ignore_eos=None, prefix_caching=False):
     bars = progress_bars(show, label)
     try:
         return model.generate(args.prompt if prompts is None else prompts, args.max_new_tokens,
                               backend=backend, chat=args.chat,
                               num_top_logits=5 if args.check_reference else 0, progress=bars,
                               cuda_graphs=cuda_graphs, kv_cache_dtype=args.kv_cache_dtype,
-                              ignore_eos=args.ignore_eos if ignore_eos is None else ignore_eos)
+                              ignore_eos=args.ignore_eos if ignore_eos is None else ignore_eos,
+                              prefix_caching=prefix_caching)
     finally:
         if bars is not None:
             bars.close()
@@ -156,21 +159,24 @@ def _throughput(model, args, plan, show) -> None:
     """``--batch-sizes``: per batch size, the prompts repeated to fill it, one generate run on
     the chosen backend (graphs and KV-cache dtype as the main run; all ``--max-new-tokens``
     steps, end-of-text ignored, so every row measures the same work), and the kernel count of
-    one eager decode step (:func:`loomnb.models.profiling.step_kernel_counts`)."""
+    one eager decode step (:func:`loomnb.models.profiling.step_kernel_counts`). With
+    ``--prefix-caching`` the repeated prompts share their cached blocks and a column gives the
+    prefill tokens computed of all prompt tokens (prefill tok/s counts all prompt tokens)."""
     from .paged_cache import cdiv
     from .profiling import step_kernel_counts
 
     graphs = "CUDA graphs" if plan.cuda_graphs and plan.device == "cuda" else (
         "padded eager steps" if plan.cuda_graphs else "eager steps")
+    reuse = ", prefix caching on" if args.prefix_caching else ""
     print(f"throughput: backend {plan.backend} on {plan.device}, {graphs}, KV cache "
-          f"{args.kv_cache_dtype}, {args.max_new_tokens} new tokens per sequence (end-of-text "
-          f"ignored), prompts repeated to fill each batch", flush=True)
+          f"{args.kv_cache_dtype}{reuse}, {args.max_new_tokens} new tokens per sequence "
+          f"(end-of-text ignored), prompts repeated to fill each batch", flush=True)
     rows, what = [], None
     for n in args.batch_sizes:
         prompts = (args.prompt * cdiv(n, len(args.prompt)))[:n]
         res = _generate_with_progress(model, args, plan.backend, show, f"batch {n}",
                                       cuda_graphs=plan.cuda_graphs, prompts=prompts,
-                                      ignore_eos=True)
+                                      ignore_eos=True, prefix_caching=args.prefix_caching)
         context = max(len(p) for p in res.prompt_token_ids) + args.max_new_tokens // 2
         runner = model.new_runner(plan.backend, num_blocks=n * cdiv(context, 16) + 1,
                                   kv_cache_dtype=args.kv_cache_dtype)
@@ -179,10 +185,16 @@ def _throughput(model, args, plan, show) -> None:
         tpot = (f"{res.tpot_s * 1e3:.3f}" if args.max_new_tokens > 1 else "n/a")
         rate = f"{res.decode_tokens_per_s:.1f}" if args.max_new_tokens > 1 else "n/a"
         per_layer = "n/a" if counts["per_layer"] is None else counts["per_layer"]
-        rows.append(f"| {n} | {res.decode_batch or n} | {res.prefill_tokens_per_s:.1f} | {tpot} "
-                    f"| {rate} | {counts['per_step']} | {per_layer} |")
-    print(f"| batch | decode rows | prefill tok/s | decode TPOT ms | decode tok/s | per step | "
-          f"per layer |\n|---|---|---|---|---|---|---|")
+        saved = ""
+        if args.prefix_caching:
+            total, cached = res.num_prefill_tokens, res.num_cached_prefill_tokens
+            saved = (f" {total - cached} of {total} ({100 * cached / total:.0f}% from the "
+                     f"prefix cache) |")
+        rows.append(f"| {n} | {res.decode_batch or n} | {res.prefill_tokens_per_s:.1f} |{saved} "
+                    f"{tpot} | {rate} | {counts['per_step']} | {per_layer} |")
+    extra = (" prefill tokens computed |", "---|") if args.prefix_caching else ("", "")
+    print(f"| batch | decode rows | prefill tok/s |{extra[0]} decode TPOT ms | decode tok/s | "
+          f"per step | per layer |\n|---|---|---|{extra[1]}---|---|---|---|")
     print("\n".join(rows))
     print(f"(per step / per layer: {what}, one eager decode step at the run's context; "
           f"TPOT = decode time / (max-new-tokens - 1), graph capture excluded)")

@@ -121,10 +121,10 @@ def validate(args) -> Plan:
     In order: the prompts are not empty; ``--allow-near-ties`` comes with
     ``--check-reference``, which does not come with ``--backend torch-reference``;
     ``--num-speculative-tokens`` comes with ``--speculative``, which comes without
-    ``--kv-cache-dtype fp8`` and ``--batch-sizes``; the device and backend can run here; the
-    GGUF is a readable llama GGUF (header only, and the file holds every tensor it lists); with
-    ``--chat`` it has the ChatML template; each prompt's tokens plus ``--max-new-tokens`` fit
-    the model's context.
+    ``--kv-cache-dtype fp8``, ``--batch-sizes`` and ``--prefix-caching``; the device and
+    backend can run here; the GGUF is a readable llama GGUF (header only, and the file holds
+    every tensor it lists); with ``--chat`` it has the ChatML template; each prompt's tokens
+    plus ``--max-new-tokens`` fit the model's context.
     """
     for i, prompt in enumerate(args.prompt, 1):
         if not prompt:
@@ -142,6 +142,9 @@ def validate(args) -> Plan:
         raise UsageError("--speculative runs with --kv-cache-dtype auto only")
     if args.speculative and args.batch_sizes:
         raise UsageError("--batch-sizes measures plain greedy decoding; leave out --speculative")
+    if args.speculative and args.prefix_caching:
+        raise UsageError("--prefix-caching applies to plain greedy decoding; leave out "
+                         "--speculative")
     device, backend = _check_device(args)
     path, header = _check_gguf(args)
     ids = _check_prompts(args, header)

@@ -22,6 +22,16 @@ of ``LOOMNB_OPS``, named and ordered as the loomnb op (``loomnb.<name>``) it sta
 * ``greedy_sample_logprob(logits) -> (token_ids int64, logprob fp32, rank int64)``: argmax
   (lowest index on ties) and the token's log-softmax and rank (vLLM's V1 sampler).
 
+and, outside the decode step (not in ``LOOMNB_OPS``), the cache op of the prefix cache's
+copy-on-write (:mod:`loomnb.models.prefix_cache`):
+
+* ``copy_blocks(key_caches, value_caches, block_mapping)``: for every layer ``l`` and row
+  ``(src, dst)`` of ``block_mapping`` (int64 ``[num_pairs, 2]``, on the caches' device),
+  ``key_caches[l][dst] = key_caches[l][src]`` and ``value_caches[l][dst] =
+  value_caches[l][src]`` (bits), one call for all layers; mutates the caches. No ``dst`` may
+  be another row's ``src`` or ``dst`` (the rows run at once, in the torch backends as in
+  ``loomnb.copy_blocks`` and vLLM's kernel).
+
 Caches are per-layer strided views ``[num_blocks, block_size, num_kv_heads, head_size]`` of
 the interleaved ``(num_blocks, 2, block_size, num_kv_heads, head_size)`` layout of vLLM 0.24's
 FlashAttention backend. Every backend follows loomnb's numerics (``docs/numerics.md``): the
@@ -134,6 +144,22 @@ class TorchReferenceOps:
         rank = (lp >= tok_lp).sum(-1)
         return ids, tok_lp.squeeze(-1), rank
 
+    @staticmethod
+    def copy_blocks(key_caches, value_caches, block_mapping):
+        """``kc[dst] = kc[src]`` and ``vc[dst] = vc[src]`` for every layer's caches and all
+        rows ``(src, dst)`` of ``block_mapping`` (int64 ``[num_pairs, 2]``) at once (torch
+        index copies, no host sync). Mutates: ``key_caches``, ``value_caches``. Raises
+        ``TypeError`` for another index dtype, ``ValueError`` for another shape."""
+        if block_mapping.dtype != torch.int64:
+            raise TypeError(f"block_mapping must be int64; got {block_mapping.dtype}")
+        if block_mapping.dim() != 2 or block_mapping.shape[1] != 2:
+            raise ValueError(f"block_mapping must be [num_pairs, 2]; got "
+                             f"{list(block_mapping.shape)}")
+        src, dst = block_mapping[:, 0], block_mapping[:, 1]
+        for kc, vc in zip(key_caches, value_caches, strict=True):
+            kc[dst] = kc[src]
+            vc[dst] = vc[src]
+
 
 class TorchOps(TorchReferenceOps):
     """The loop as a research codebase would write it in torch, fp32 where it computes: RoPE
@@ -222,6 +248,13 @@ class _LoomnbOps:
 
     def silu_and_mul(self, x):
         return self._tensor(self.m.silu_and_mul(self._array(x)))
+
+    def copy_blocks(self, key_caches, value_caches, block_mapping):
+        """``loomnb.copy_blocks`` / ``loomnb.oracle.copy_blocks`` on every layer's caches in
+        one call (mutates them; the oracle through zero-copy NumPy views)."""
+        a = self._array
+        self.m.copy_blocks([a(k) for k in key_caches], [a(v) for v in value_caches],
+                           a(block_mapping))
 
 
 class LoomnbCpuOps(_LoomnbOps):

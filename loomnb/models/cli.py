@@ -14,9 +14,11 @@ the prefill attention. Each sequence stops at its end-of-text token (``--ignore-
 ``--max-new-tokens``). ``--check-reference`` reruns with the pure-torch reference and exits 1
 unless the greedy tokens are identical. On CUDA the decode steps replay a CUDA graph per
 batch-size bucket (``--no-cuda-graphs``: eager); ``--kv-cache-dtype fp8`` stores the paged KV
-cache as E4M3 codes; ``--batch-sizes`` then measures throughput at each batch size (the prompts
-repeated to fill it, a fixed number of steps): prefill tok/s, decode TPOT and tok/s, and what
-one decode step launches. On the CPU, torch's thread count follows ``--threads``, else
+cache as E4M3 codes; ``--prefix-caching`` shares the KV blocks of common prompt prefixes
+(:mod:`~loomnb.models.prefix_cache`); ``--batch-sizes`` then measures throughput at each batch
+size (the prompts repeated to fill it, a fixed number of steps): prefill tok/s, decode TPOT and
+tok/s, and what one decode step launches (with ``--prefix-caching``, the prefill tokens
+computed of all prompt tokens). On the CPU, torch's thread count follows ``--threads``, else
 ``$OMP_NUM_THREADS``, else the CPUs that other processes leave idle
 (:func:`~loomnb.models._cli_run.cpu_threads`).
 
@@ -203,6 +205,16 @@ def build_parser(prog: str = "loomnb") -> argparse.ArgumentParser:
                    help="what the paged KV cache stores: auto (the model dtype) or fp8 (E4M3 "
                         "codes, per-layer scales max|k|/200 and max|v|/100 from the first "
                         "prefill, as vLLM's calculate_kv_scales) (default: auto)")
+    g.add_argument("--prefix-caching", action="store_true",
+                   help="prefix reuse, as vLLM's automatic prefix caching: prompts that share "
+                        "leading full KV blocks (16 tokens, identified by a chained hash of "
+                        "their tokens) share those blocks, and each prefill computes only the "
+                        "tokens after its cached prefix (at least its last one); a shared block "
+                        "a sequence would write into is copied first (copy-on-write). Reports "
+                        "the prefill tokens computed and taken from the cache. The partial "
+                        "prefill's GEMMs have fewer rows, which may round a logit one ulp "
+                        "apart, so a near-tie of the top two logits can flip; not with "
+                        "--speculative (default: off)")
     g.add_argument("--batch-sizes", type=_batch_sizes, default=None, metavar="N,N,...",
                    help="after the run, measure throughput at each batch size (1..64): the "
                         "prompts repeated to fill the batch, --max-new-tokens each (end-of-text "

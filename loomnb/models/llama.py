@@ -2,9 +2,11 @@
 
 The loop (:meth:`ModelRunner.generate`):
 
-1. Every sequence gets its KV blocks up front from the cache's block allocator (``block_size``
-   16, :mod:`loomnb.models.paged_cache`) for ``prompt_len + max_new_tokens - 1`` tokens; ``block_tables`` is int32
-   ``[num_seqs, max_blocks]``, unused entries 0.
+1. Every sequence gets its KV blocks from the cache's block allocator (``block_size``
+   16, :mod:`loomnb.models.paged_cache`) for ``prompt_len + max_new_tokens - 1`` tokens, just
+   before its prefill; ``block_tables`` is int32 ``[num_seqs, max_blocks]``, unused entries 0.
+   With prefix caching (:mod:`loomnb.models.prefix_cache`) its leading full blocks may be
+   another sequence's, shared (reference counts), and its prefill starts after them.
 2. Prefill, one sequence at a time: ``input_ids``/``positions`` ``[num_tokens]``, K/V written
    to the cache at ``slot_mapping`` (int64, ``block_tables[seq, pos // block_size] *
    block_size + pos % block_size``), causal attention read back through ``block_tables``.
@@ -47,6 +49,7 @@ import torch.nn.functional as F
 from .backends import get_backend
 from .gguf_loader import GGUFCheckpoint, LlamaConfig, hf_weights, load_checkpoint
 from .paged_cache import BLOCK_SIZE, PagedKVCache, cdiv, compute_slot_mapping, paged_attention
+from .prefix_cache import PrefixCache
 from .tokenizer import GGUFTokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -215,14 +218,15 @@ class LlamaModel:
 
     def generate(self, prompts, max_new_tokens=32, backend=None, chat=False,
                  num_top_logits=0, forced_token_ids=None, progress=None, cuda_graphs=False,
-                 kv_cache_dtype="auto", ignore_eos=False) -> GenerationResult:
+                 kv_cache_dtype="auto", ignore_eos=False,
+                 prefix_caching=False) -> GenerationResult:
         """Greedy-decode up to ``max_new_tokens`` tokens for each prompt (a str or a list of
         str), each sequence stopping at its first stop token (the tokenizer's
         ``stop_token_ids``; the token is kept) and the batch when all have stopped;
         ``ignore_eos=True`` (or teacher forcing) decodes all ``max_new_tokens``. See
         :meth:`ModelRunner.generate` for ``num_top_logits``, ``forced_token_ids``,
-        ``progress`` and ``cuda_graphs``; ``kv_cache_dtype``: ``"auto"`` (the model dtype) or
-        ``"fp8"`` (E4M3 codes, :class:`PagedKVCache`). ``chat``: wrap each
+        ``progress``, ``cuda_graphs`` and ``prefix_caching``; ``kv_cache_dtype``: ``"auto"``
+        (the model dtype) or ``"fp8"`` (E4M3 codes, :class:`PagedKVCache`). ``chat``: wrap each
         prompt in the chat template, where only the template adds control tokens
         (``GGUFTokenizer.encode_chat``); otherwise the prompt is encoded verbatim, control-token
         text included."""
@@ -233,7 +237,8 @@ class LlamaModel:
         runner = self.new_runner(backend, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype)
         stop = () if ignore_eos or forced_token_ids is not None else tok.stop_token_ids
         result = runner.generate(prompt_ids, max_new_tokens, num_top_logits, forced_token_ids,
-                                 progress, cuda_graphs=cuda_graphs, stop_token_ids=stop)
+                                 progress, cuda_graphs=cuda_graphs, stop_token_ids=stop,
+                                 prefix_caching=prefix_caching)
         result.prompts = prompts
         result.texts = [tok.decode(_cut_at_stop(ids, tok.stop_token_ids))
                         for ids in result.token_ids]
@@ -269,6 +274,15 @@ class GenerationResult:
     kv_cache_dtype: str = "auto"
     num_decode_steps: int | None = None  # None: num_decode_tokens / num_seqs (fixed length)
     dtype: str = "bfloat16"
+    prefix_caching: bool = False  # prompts shared their cached leading KV blocks
+    num_computed_prefill_tokens: int | None = None  # prompt tokens prefilled; None: all
+    num_kv_blocks: int = 0  # distinct KV blocks the batch held after its prefill
+
+    @property
+    def num_cached_prefill_tokens(self) -> int:
+        """Prompt tokens taken from the prefix cache instead of computed."""
+        computed = self.num_computed_prefill_tokens
+        return 0 if computed is None else self.num_prefill_tokens - computed
 
     @property
     def tpot_s(self) -> float:
@@ -373,17 +387,33 @@ class ModelRunner:
                                      kv_cache_dtype)
 
     def prefill(self, token_ids: list[int], block_table: torch.Tensor | None = None,
-                on_layer=None):
-        """Run one sequence's prompt; returns hidden states ``[num_tokens, hidden_size]``.
-        ``block_table`` is int32 ``[1, max_blocks]`` (default: allocate fresh blocks);
-        ``on_layer`` as :meth:`LlamaModel.forward`."""
+                on_layer=None, num_computed_tokens: int = 0):
+        """Run one sequence's prompt from position ``num_computed_tokens`` on; returns the
+        hidden states ``[num_tokens - num_computed_tokens, hidden_size]`` of the tokens it
+        computes. ``block_table`` is int32 ``[1, max_blocks]`` (default: allocate fresh
+        blocks); ``on_layer`` as :meth:`LlamaModel.forward`.
+
+        ``num_computed_tokens`` > 0 (a prefix-cache hit, :mod:`loomnb.models.prefix_cache`):
+        positions ``0 .. num_computed_tokens - 1`` are already in the cache at
+        ``block_table``; the computed tokens take positions ``num_computed_tokens ..
+        num_tokens - 1``, their K/V are written there, and their causal attention reads the
+        cached prefix through ``block_table`` (``seq_lens = [num_tokens]``). Mutates the KV
+        cache at the computed positions' slots. Raises ``ValueError`` unless ``0 <=
+        num_computed_tokens < num_tokens``, and for ``num_computed_tokens`` > 0 without a
+        ``block_table`` or on an FP8 cache not yet calibrated."""
         dev = self.model.device
-        num_tokens = len(token_ids)
+        num_tokens, start = len(token_ids), num_computed_tokens
+        if not 0 <= start < num_tokens:
+            raise ValueError(f"num_computed_tokens must be in 0..{num_tokens - 1} (at least the "
+                             f"last prompt token is computed); got {start}")
+        if start and (block_table is None or not self.kv_cache.calibrated):
+            raise ValueError("num_computed_tokens > 0 needs the block_table that holds the "
+                             "cached prefix and a calibrated KV cache")
         if block_table is None:
             blocks = self.kv_cache.allocator.allocate(cdiv(num_tokens, self.block_size))
             block_table = torch.tensor([blocks], dtype=torch.int32, device=dev)
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
-        positions = torch.arange(num_tokens, device=dev)
+        input_ids = torch.tensor(token_ids[start:], dtype=torch.long, device=dev)
+        positions = torch.arange(start, num_tokens, device=dev)
         slot_mapping = compute_slot_mapping(block_table, torch.zeros_like(positions), positions,
                                             self.block_size)
         seq_lens = torch.tensor([num_tokens], dtype=torch.int32, device=dev)
@@ -407,7 +437,8 @@ class ModelRunner:
     @torch.inference_mode()
     def generate(self, prompt_token_ids: list[list[int]], max_new_tokens: int,
                  num_top_logits: int = 0, forced_token_ids=None, progress=None,
-                 cuda_graphs: bool = False, stop_token_ids=()) -> GenerationResult:
+                 cuda_graphs: bool = False, stop_token_ids=(),
+                 prefix_caching: bool = False) -> GenerationResult:
         """Prefill each prompt, then greedy-decode the batch. ``stop_token_ids`` (default none:
         decode all ``max_new_tokens``): a sequence ends at its first token among them (kept in
         ``token_ids``), the decode when every sequence has ended (module docstring; not with
@@ -425,8 +456,15 @@ class ModelRunner:
         padded to its bucket (1, 2, 4, ... 64 rows) and, on CUDA, each step a replay of the
         bucket's CUDA graph (captured after the prefill, its time in
         ``graph_capture_time_s``, not in ``decode_time_s``); on the CPU the same padded step
-        runs eagerly. Prefill stays eager. Off: the unpadded eager loop. Mutates the KV cache
-        (its blocks are freed at the end)."""
+        runs eagerly. Prefill stays eager. Off: the unpadded eager loop.
+
+        ``prefix_caching``: prompts that share leading full blocks share them (a chained hash
+        of the block's tokens, reference counts in the allocator) and each prefill computes
+        only the tokens after its cached prefix, at least its last token; a shared block it
+        would write into is copied first (copy-on-write, the backend's ``copy_blocks``);
+        :mod:`loomnb.models.prefix_cache`. Sequences are allocated blocks one by one before
+        their prefill. Mutates the KV cache (its blocks are freed at the end: every block
+        allocated here is back on the free list)."""
         if max_new_tokens < 1 or any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("need max_new_tokens >= 1 and non-empty prompts")
         stop_ids = sorted(set(int(t) for t in (stop_token_ids or ())))
@@ -439,12 +477,9 @@ class ModelRunner:
         if max(prompt_lens) + max_new_tokens > self.model.config.max_position_embeddings:
             raise ValueError("prompt + max_new_tokens exceeds max_position_embeddings")
         max_blocks = cdiv(max(prompt_lens) + max_new_tokens - 1, bs)
-        seq_blocks = [self.kv_cache.allocator.allocate(cdiv(n + max_new_tokens - 1, bs))
-                      for n in prompt_lens]
+        prefix = PrefixCache(self.kv_cache.allocator, bs, enabled=prefix_caching)
+        seq_blocks = []
         block_tables = torch.zeros((num_seqs, max_blocks), dtype=torch.int32)
-        for i, blocks in enumerate(seq_blocks):
-            block_tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        block_tables = block_tables.to(dev)
 
         _sync(dev)
         t0 = time.perf_counter()
@@ -462,11 +497,26 @@ class ModelRunner:
 
         first = []
         num_layers = self.model.config.num_hidden_layers
+        num_computed = 0
         for i, ids in enumerate(prompt_token_ids):
             on_layer = (None if progress is None else
                         _prefill_progress(progress, i * num_layers, num_seqs * num_layers))
-            hidden = self.prefill(ids, block_tables[i : i + 1], on_layer)
+            seq = prefix.allocate(ids, cdiv(prompt_lens[i] + max_new_tokens - 1, bs),
+                                  may_reuse=self.kv_cache.calibrated)
+            seq_blocks.append(seq.blocks)
+            block_tables[i, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
+            if seq.block_mapping:  # copy-on-write of a shared block this prefill writes into
+                self.ops.copy_blocks(self.kv_cache.key_caches, self.kv_cache.value_caches,
+                                     torch.tensor(seq.block_mapping, dtype=torch.int64,
+                                                  device=dev))
+            hidden = self.prefill(ids, block_tables[i : i + 1].to(dev), on_layer,
+                                  seq.num_computed_tokens)
+            prefix.commit(seq)
+            num_computed += prompt_lens[i] - seq.num_computed_tokens
             first.append(sample(self.model.compute_logits(hidden[-1:])))
+        prefix.end_prefill()
+        block_tables = block_tables.to(dev)
+        num_kv_blocks = len(set().union(*seq_blocks))
         _sync(dev)
         t1 = time.perf_counter()
         prefill_s = t1 - t0
@@ -546,6 +596,9 @@ class ModelRunner:
             decode_time_s=t2 - t1,
             num_prefill_tokens=sum(prompt_lens),
             num_decode_tokens=sum(len(ids) - 1 for ids in token_ids),
+            prefix_caching=prefix_caching,
+            num_computed_prefill_tokens=num_computed,
+            num_kv_blocks=num_kv_blocks,
             top_logits=top_logits,
             token_logprobs=token_logprobs,
             token_ranks=token_ranks,

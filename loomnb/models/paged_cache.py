@@ -36,19 +36,78 @@ __all__ = ["BLOCK_SIZE", "BlockAllocator", "KV_CACHE_DTYPES", "PagedKVCache", "c
 
 
 class BlockAllocator:
-    """Free list of KV-cache block numbers ``0 .. num_blocks - 1``."""
+    """Reference-counted free list of KV-cache block numbers ``0 .. num_blocks - 1``, and the
+    prefix cache's table of full blocks by their chained hash (vLLM's ``BlockPool``;
+    :mod:`loomnb.models.prefix_cache` computes the hashes and decides the reuse).
+
+    ``ref_counts[b]``: how many block tables hold block ``b`` (0: on the free list).
+    ``cached_blocks``: block hash -> block, for full blocks whose K/V are written;
+    ``block_hashes``: the inverse. A block leaves both when its count reaches 0 (unlike vLLM,
+    which keeps a freed block findable until the free list hands it out again), so a block on
+    the free list is never a cache hit."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self.free_blocks = deque(range(num_blocks))
+        self.ref_counts = [0] * num_blocks
+        self.cached_blocks: dict[bytes, int] = {}
+        self.block_hashes: dict[int, bytes] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
 
     def allocate(self, n: int) -> list[int]:
+        """``n`` blocks from the front of the free list, each with ``ref_counts`` 1.
+        Raises ``RuntimeError`` when fewer than ``n`` are free."""
         if n > len(self.free_blocks):
             raise RuntimeError(f"out of KV blocks: need {n}, {len(self.free_blocks)} free")
-        return [self.free_blocks.popleft() for _ in range(n)]
+        blocks = [self.free_blocks.popleft() for _ in range(n)]
+        for b in blocks:
+            self.ref_counts[b] = 1
+        return blocks
+
+    def share(self, blocks) -> None:
+        """One more block table holds each of ``blocks`` (allocated ones): ``ref_counts += 1``.
+        Raises ``ValueError`` for a block on the free list."""
+        for b in blocks:
+            if self.ref_counts[b] < 1:
+                raise ValueError(f"block {b} is free; only an allocated block can be shared")
+            self.ref_counts[b] += 1
 
     def free(self, blocks) -> None:
-        self.free_blocks.extend(blocks)
+        """One block table less holds each of ``blocks``: ``ref_counts -= 1``; a block whose
+        count reaches 0 leaves the prefix cache and goes to the back of the free list.
+        Raises ``ValueError`` for a block that is already free (a double free)."""
+        for b in blocks:
+            if self.ref_counts[b] < 1:
+                raise ValueError(f"block {b} is already free (ref count 0): a double free")
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                h = self.block_hashes.pop(b, None)
+                if h is not None:
+                    del self.cached_blocks[h]
+                self.free_blocks.append(b)
+
+    def cache_block(self, block_hash: bytes, block: int) -> None:
+        """Make allocated ``block`` the cache hit for ``block_hash`` (its K/V are written). A
+        hash that already has a block keeps it (the same tokens computed twice)."""
+        if self.ref_counts[block] < 1:
+            raise ValueError(f"block {block} is free; only an allocated block can be cached")
+        if block_hash not in self.cached_blocks and block not in self.block_hashes:
+            self.cached_blocks[block_hash] = block
+            self.block_hashes[block] = block_hash
+
+    def lookup(self, block_hashes) -> list[int]:
+        """The cached blocks of the leading run of ``block_hashes`` that hit (stops at the
+        first miss: a chained hash hits only when every block before it does)."""
+        hits = []
+        for h in block_hashes:
+            b = self.cached_blocks.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
 
 
 class PagedKVCache:

@@ -5,6 +5,11 @@ Conventions (vLLM's): stored = real / scale; ``e4m3`` rounds to nearest even and
 +-448; the sign of zero is kept (-0.0 and negative values that round to zero encode as 0x80).
 NaN becomes +448 where vLLM clamps with ``fminf`` first (``clamp_fp8``: per-tensor and per-token
 quant) and -448 where it clamps with ``fmaxf`` first (``clamp_fp8_nan_low``: group quant).
+
+KV-cache codes (``kv_encoder`` / ``kv_packer`` / ``kv_decoder``, for ``kv_cache_dtype``
+``"fp8_e4m3"`` or ``"fp8_e5m2"``): a cache write stores ``fp8(f(v) / scale)`` (IEEE division,
+saturating, NaN kept as 0x7F, the sign of zero kept), a cache read gives ``f32(code) * scale``
+-- vLLM's ``scaled_convert`` in both directions.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import numpy as np
 from numba import cuda, float32
 
 from .._numba_internals import SIM, device
+from ..layouts.dtypes import (e4m3_to_f32, e5m2_to_f32, f32_to_e4m3, f32_to_e5m2, pack_e4m3x2,
+                              pack_e5m2x2)
 from ..oracle.fp8 import FP8_MAX, FP8_MIN_SCALE, UE8M0_FLOOR  # noqa: F401 (re-exported)
 from ._reduce import fmax_nan, fmin_nan
 
@@ -99,3 +106,43 @@ def scale_from_amax(amax, ub, has_ub):
     if has_ub:
         amax = fmin_nan(amax, ub)
     return fmax_nan(amax / float32(_MAX), float32(_MIN_SCALE))
+
+
+def kv_encoder(kv):
+    """``enc(v, scale) -> code``: the FP8 code of ``v / scale`` (IEEE division, saturating, NaN
+    kept) for ``kv`` = ``"fp8_e4m3"`` or ``"fp8_e5m2"``."""
+    conv = f32_to_e4m3 if kv == "fp8_e4m3" else f32_to_e5m2
+
+    @device
+    def enc(v, scale):
+        return conv(v / scale)
+
+    return enc
+
+
+def kv_packer(kv):
+    """``pack_words(vals, b, scale) -> (lo, hi)``: the two words of the 8 FP8 codes of
+    ``vals[b:b+8] / scale`` (code 0 in the lowest byte), for an 8-byte store."""
+    pack = pack_e4m3x2 if kv == "fp8_e4m3" else pack_e5m2x2
+
+    @device
+    def pack_words(vals, b, scale):
+        lo = (int(pack(vals[b + 3] / scale, vals[b + 2] / scale)) << 16) | int(
+            pack(vals[b + 1] / scale, vals[b] / scale))
+        hi = (int(pack(vals[b + 7] / scale, vals[b + 6] / scale)) << 16) | int(
+            pack(vals[b + 5] / scale, vals[b + 4] / scale))
+        return lo, hi
+
+    return pack_words
+
+
+def kv_decoder(kv):
+    """``dec(code, scale) -> float32``: ``f32(code) * scale`` (exact decode, one rounded
+    product), for ``kv`` = ``"fp8_e4m3"`` or ``"fp8_e5m2"``."""
+    conv = e4m3_to_f32 if kv == "fp8_e4m3" else e5m2_to_f32
+
+    @device
+    def dec(c, scale):
+        return conv(c) * scale
+
+    return dec

@@ -294,7 +294,8 @@ class _Replay:
 def key(tag, scalars, *tensors):
     """The fast-path key of a call on torch tensors: ``tag`` (the op), its ``scalars`` (exact
     types only: a bool is not a float) and, per tensor, data pointer, shape, strides and dtype
-    (None stays None). None when any argument is not a torch tensor or a scalar is unusual:
+    (None stays None; a list or tuple of tensors, a ``Tensor[]`` argument, is keyed as one
+    tuple of theirs). None when any argument is not a torch tensor or a scalar is unusual:
     the call then takes the checked path."""
     for s in scalars:
         if type(s) not in _KEY_SCALARS:
@@ -302,7 +303,12 @@ def key(tag, scalars, *tensors):
     k = [tag, scalars]
     try:
         for t in tensors:
-            k += (None,) if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype)
+            if t is None:
+                k.append(None)
+            elif type(t) is list or type(t) is tuple:  # a Tensor[] argument
+                k.append(tuple((u.data_ptr(), u.shape, u.stride(), u.dtype) for u in t))
+            else:
+                k += (t.data_ptr(), t.shape, t.stride(), t.dtype)
     except AttributeError:
         return None
     return tuple(k)

@@ -59,8 +59,9 @@ from numba import cuda, float32, int64
 
 from .._dtypes import storage_dtype
 from .._numba_internals import SIM, device
-from ..layouts.dtypes import bits_f32, f32_to_e4m3, f32_to_e5m2, pack_e4m3x2, pack_e5m2x2
+from ..layouts.dtypes import bits_f32
 from . import _launch as L
+from ._fp8 import kv_encoder, kv_packer
 from ._vector import CODECS, load_u32x4, store_u32x2, store_u32x4
 
 KINDS = ("bf16", "f16", "f32")
@@ -183,32 +184,6 @@ def _rotation(form, inverse):
     return rot
 
 
-def _fp8_encoder(kv):
-    """``enc(v, scale) -> code``: FP8 of ``v / scale`` (IEEE division, saturating, NaN kept)."""
-    conv = f32_to_e4m3 if kv == "fp8_e4m3" else f32_to_e5m2
-
-    @device
-    def enc(v, scale):
-        return conv(v / scale)
-
-    return enc
-
-
-def _fp8_packer(kv):
-    pack = pack_e4m3x2 if kv == "fp8_e4m3" else pack_e5m2x2
-
-    @device
-    def pack_words(vals, b, scale):
-        """Words of 8 FP8 codes of ``vals[b:b+8] / scale`` (code 0 in the lowest byte)."""
-        lo = (int(pack(vals[b + 3] / scale, vals[b + 2] / scale)) << 16) | int(
-            pack(vals[b + 1] / scale, vals[b] / scale))
-        hi = (int(pack(vals[b + 7] / scale, vals[b + 6] / scale)) << 16) | int(
-            pack(vals[b + 5] / scale, vals[b + 4] / scale))
-        return lo, hi
-
-    return pack_words
-
-
 @device
 def rotation_item(i, nq, per_head):
     """``(is_key, head, j)`` of rotation item ``i``: the ``nq`` query items come first, then the
@@ -292,7 +267,7 @@ def _scalar(spec):
     work = _token_work(spec)
     ROPE, NEOX, LEGACY = spec.rope, spec.neox, spec.cache == "legacy"
     FP8 = spec.kv != "auto"
-    fp8 = _fp8_encoder(spec.kv) if FP8 else None
+    fp8 = kv_encoder(spec.kv) if FP8 else None
     XS = spec.x.bit_length() - 1  # log2 of the legacy chunk
     XM = spec.x - 1
 
@@ -374,8 +349,8 @@ def _vector(spec):
     work = _token_work(spec)
     ROPE, NEOX, LEGACY = spec.rope, spec.neox, spec.cache == "legacy"
     FP8 = spec.kv != "auto"
-    fp8 = _fp8_encoder(spec.kv) if FP8 else None
-    fp8_words = _fp8_packer(spec.kv) if FP8 else None
+    fp8 = kv_encoder(spec.kv) if FP8 else None
+    fp8_words = kv_packer(spec.kv) if FP8 else None
     XS = spec.x.bit_length() - 1
     XM = spec.x - 1
 

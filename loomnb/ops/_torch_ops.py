@@ -27,7 +27,8 @@ key. The public function keeps the body's name, docstring and signature (``inspe
 has no ``launch_key``).
 
 **The key** comes from the schema (``_launch.key``: the tensors' data pointers, shapes, strides
-and dtypes, ``None`` for an absent one, in schema order with the outputs last; the float and str
+and dtypes, ``None`` for an absent one, a ``Tensor[]`` list's tensors as one tuple, in schema
+order with the outputs last; the float and str
 options, of exact types), so an op declares none of it. Options of other types are checked
 first, and a call whose option fails the check takes the checked path, which raises: a ``bool``
 must be a bool (``True == 1``), an ``int`` an int (or None for ``int?``); a ``ScalarType`` is
@@ -109,7 +110,7 @@ def torch_op(inputs, *, outputs=(), returns=None, fake=None, optional=None, stre
 
 def _parse(inputs):
     """``[(type, name, keyword-only)]`` of a schema's inputs (``"Tensor(a!)? residual=None"``:
-    type ``"Tensor?"``), read without torch."""
+    type ``"Tensor?"``; ``"Tensor(a!)[] key_caches"``: ``"Tensor[]"``), read without torch."""
     args, kwonly = [], False
     for part in inputs.split(","):
         part = part.strip()
@@ -117,7 +118,8 @@ def _parse(inputs):
             kwonly = True
             continue
         typ, name = part.split("=")[0].split()
-        base = typ.split("(")[0].rstrip("?") + ("?" if typ.endswith("?") else "")
+        base = typ.split("(")[0].rstrip("?") + ("[]" if typ.endswith("[]") else "") + (
+            "?" if typ.endswith("?") else "")
         args.append((base, name, kwonly))
     return args
 

@@ -14,6 +14,9 @@ Buffers are made zeroed, ordered before the launch on its stream (:func:`_after_
 never freed: a captured CUDA graph, or a remembered fast-path launch, keeps pointing at the one
 it saw. A launch that needs more rows than a buffer holds gets a larger one, rounded up to a
 power of two; the smaller one is kept alive in ``_retired``, never reused.
+
+:func:`table` is the other kind: a small int64 table made on the host (a kernel's per-array
+descriptors), copied to the device once per distinct content and kept, for the same reason.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ MIN_COUNTERS = 4096  # split counters a stream's buffer holds at least
 
 _buffers = {}  # (name, library, device, stream handle) -> array
 _retired = []  # (key, array) replaced by larger ones: kept, as graphs may point at them
+_tables = {}   # (library, device, rows) -> device array of the int64 table ``rows``
 
 
 def buffer(name, like, stream, rows, tail=(), dtype="int32", min_rows=1):
@@ -42,6 +46,66 @@ def buffer(name, like, stream, rows, tail=(), dtype="int32", min_rows=1):
         _after_zeroing(like, handle)
         _buffers[key] = buf
     return buf
+
+
+def table(op, like, rows):
+    """A device copy of the int64 table ``rows`` (a tuple of equal-length tuples) on ``like``'s
+    device and library, made the first time these ``rows`` are asked for and kept (launches,
+    remembered ones and captured graphs, point at it). The copy is a synchronous host-to-device
+    copy, which a CUDA graph being captured cannot hold: a first use while capturing raises
+    :class:`~loomnb.LoomnbValueError` (make the call once before capturing)."""
+    import numpy as np
+    key = (like.lib, like.device, rows)
+    t = _tables.get(key)
+    if t is not None:
+        return t
+    host = np.array(rows, dtype=np.int64).reshape(len(rows), -1)
+    if like.lib == "torch":
+        torch = ad._torch
+        if torch.cuda.is_current_stream_capturing():
+            from ..checks import LoomnbValueError
+            raise LoomnbValueError(
+                f"{op}: these arrays have no device descriptor table yet, and one cannot be "
+                "copied to the device while a CUDA graph is being captured; make the same call "
+                "once before capturing")
+        with ad.device_guard(like):
+            t = torch.from_numpy(host).to(like.obj.device)
+            torch.cuda.current_stream(like.obj.device).synchronize()
+    elif like.lib == "numpy":
+        t = host
+    else:
+        from numba import cuda
+        with cuda.gpus[like.device]:
+            t = cuda.to_device(host)
+    _tables[key] = t
+    return t
+
+
+def upload(name, like, stream, host):
+    """``host`` (an int64 NumPy array) copied into the workspace ``name`` of ``like``'s device and
+    launch ``stream``, on that stream and synchronously (the copy is done when this returns, and
+    it waits for the stream's earlier work, which may still read the buffer): the device copy of
+    a per-call host table (block numbers a launch reads). Returns ``(buffer, rows)``; under the
+    simulator, ``host`` itself."""
+    import numpy as np
+    host = np.ascontiguousarray(host, dtype=np.int64)
+    if like.lib == "numpy":
+        return host
+    n = host.shape[0]
+    buf = buffer(name, like, stream, max(n, 1), host.shape[1:], "int64", 64)
+    if like.lib == "torch":
+        torch = ad._torch
+        handle = ad.stream_handle(like, stream)
+        with ad.device_guard(like), torch.cuda.stream(
+                torch.cuda.ExternalStream(handle, device=like.obj.device)):
+            buf[:n].copy_(torch.from_numpy(host))
+            torch.cuda.current_stream(like.obj.device).synchronize()
+    else:
+        from numba import cuda
+        with cuda.gpus[like.device]:
+            cuda.synchronize()
+            buf[:n].copy_to_device(host)
+    return buf[:n]
 
 
 def counters(like, stream, n):
