@@ -18,7 +18,7 @@ layout; a 64 KB block is 16 tokens x 8 heads x 128 K+V, a 16 KB block 16 x 4 x 6
 * ``swap_blocks``: 16 / 256 / 2048 blocks of 64 KB and of 16 KB, GPU -> pinned host (``d2h``:
   random GPU blocks to consecutive host blocks) and host -> GPU (``h2d``: the reverse). loomnb
   with the mapping on the GPU (one kernel, graph-capturable) and ``loomnb_host_map`` with the
-  CPU mapping vLLM takes (an upload and a synchronise a call: timed eagerly only); vLLM's
+  CPU mapping vLLM takes (an upload a call: timed eagerly only); vLLM's
   ``swap_blocks(src, dst, block_size_in_bytes, block_mapping)`` (a ``cudaMemcpyAsync`` per
   block); torch as an engine stages it: ``index_select`` into a GPU buffer and one
   ``copy_(non_blocking=True)`` to the pinned pool (``h2d``: one copy, then ``index_copy_``).

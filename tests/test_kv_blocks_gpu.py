@@ -66,11 +66,12 @@ def pairs(rng, P, nb):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint8, torch.float32])
 def test_copy_blocks_serving_sizes(layout, dtype):
     rng = np.random.default_rng(0)
-    kvs = caches(4, 512, layout, dtype, D=128 if dtype != torch.float32 else 64)
-    views = [pk.kv_views(kv, layout) for kv in kvs]
+    D = 128 if dtype != torch.float32 else 64
+    kvs = caches(4, 512, layout, dtype, D=D)
+    views = [pk.kv_views(kv, layout, 8, D) for kv in kvs]
     m = pairs(rng, 200, 512)
     want = [host(kv) for kv in kvs]
-    wv = [pk.kv_views(w, layout) for w in want]
+    wv = [pk.kv_views(w, layout, 8, D) for w in want]
     loomnb.oracle.copy_blocks([k for k, _ in wv], [v for _, v in wv], m)
     loomnb.copy_blocks([k for k, _ in views], [v for _, v in views], torch.from_numpy(m).cuda())
     for kv, w in zip(kvs, want):

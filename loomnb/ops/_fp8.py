@@ -18,8 +18,8 @@ import numpy as np
 from numba import cuda, float32
 
 from .._numba_internals import SIM, device
-from ..layouts.dtypes import (e4m3_to_f32, e5m2_to_f32, f32_to_e4m3, f32_to_e5m2, pack_e4m3x2,
-                              pack_e5m2x2)
+from ..layouts.dtypes import (e4m3_to_f32, e5m2_to_f32, f16_to_f32, f32_to_e4m3, f32_to_e5m2,
+                              pack_e4m3x2, pack_e5m2x2, unpack_e4m3x2)
 from ..oracle.fp8 import FP8_MAX, FP8_MIN_SCALE, UE8M0_FLOOR  # noqa: F401 (re-exported)
 from ._reduce import fmax_nan, fmin_nan
 
@@ -146,3 +146,20 @@ def kv_decoder(kv):
         return conv(c) * scale
 
     return dec
+
+
+def kv_pair_decoder(kv):
+    """``dec2(w, scale) -> (lo, hi)``: the two FP8 codes in the low 16 bits of ``w`` (code 0 in
+    bits 7..0) as ``f32(code) * scale`` -- E4M3 through the hardware's ``cvt.rn.f16x2.e4m3x2``
+    (exact), E5M2 as the top byte of an fp16 (exact); the simulator decodes portably."""
+    if kv == "fp8_e4m3":
+        @device
+        def dec2(w, scale):
+            lo, hi = unpack_e4m3x2(w & 0xFFFF)
+            return lo * scale, hi * scale
+    else:
+        @device
+        def dec2(w, scale):
+            w = int(w)
+            return f16_to_f32((w & 0xFF) << 8) * scale, f16_to_f32(w & 0xFF00) * scale
+    return dec2

@@ -27,8 +27,8 @@ rows)``; its first threads find each row's sequence (a binary search of ``cu_seq
 and offset, then every thread moves 16-byte units (``"vector"``) or elements (``"scalar"``) of
 the rows. ``"auto"`` copies bits; an FP8 cache gives ``r(f32(code) * scale)``.
 
-**MLA cache write** (:func:`mla_kernel`): thread block ``i`` writes tokens ``[i * rows, (i+1)
-* rows)``: ``kv_cache[slot] = cv([kv_c[t], k_pe[t]])``, ``cv`` the bits or ``fp8(f32(x) /
+**MLA cache write** (:func:`mla_kernel`): thread block ``t`` writes token ``t``:
+``kv_cache[slot] = cv([kv_c[t], k_pe[t]])``, ``cv`` the bits or ``fp8(f32(x) /
 scale)``; slots < 0 skipped.
 """
 
@@ -42,7 +42,7 @@ from .._dtypes import storage_dtype
 from .._numba_internals import device
 from ..layouts.dtypes import f32_bits
 from . import _launch as L
-from ._fp8 import kv_decoder, kv_encoder, kv_packer
+from ._fp8 import kv_decoder, kv_encoder, kv_packer, kv_pair_decoder
 from ._vector import CODECS, load_u32x2, load_u32x4, store_u32x2, store_u32x4
 
 UNITS = (16, 8, 4, 2, 1)      # bytes a block copy moves per element of its arena
@@ -65,7 +65,9 @@ def unit_words(unit):
 
 
 def _unit_io(unit):
-    """``(load(a, i), store(a, i, v))`` of unit ``i`` of arena ``a``."""
+    """``(load(a, i), store(a, i, v), move(src, sb, dst, db, u0, nt, n))``: unit ``i`` of arena
+    ``a``, and a thread's move of units ``u0 + k * nt`` (``k < ILP``, those below ``n``) from
+    ``src[sb + u]`` to ``dst[db + u]``, every load issued before the first store."""
     if unit == 16:
         @device
         def load(a, i):
@@ -90,7 +92,25 @@ def _unit_io(unit):
         @device
         def store(a, i, v):
             a[i] = v
-    return load, store
+
+    @device
+    def move(src, sb, dst, db, u0, nt, n):
+        u1 = u0 + nt
+        u2 = u1 + nt
+        u3 = u2 + nt
+        v0 = load(src, sb + u0)
+        v1 = load(src, sb + u1) if u1 < n else v0
+        v2 = load(src, sb + u2) if u2 < n else v0
+        v3 = load(src, sb + u3) if u3 < n else v0
+        store(dst, db + u0, v0)
+        if u1 < n:
+            store(dst, db + u1, v1)
+        if u2 < n:
+            store(dst, db + u2, v2)
+        if u3 < n:
+            store(dst, db + u3, v3)
+
+    return load, store, move
 
 
 # ------------------------------------------------------------------------------ block copies
@@ -111,7 +131,7 @@ def block_copy_argtypes(spec):
 def block_copy_kernel(spec):
     """The ``@cuda.jit`` function for ``spec`` (module docstring): ``(src, dst, desc, mapping,
     num_caches)``, one thread block per ``(pair, cache)``."""
-    load, store = _unit_io(spec.unit)
+    _, _, move = _unit_io(spec.unit)
 
     def kernel(src, dst, desc, mapping, num_caches):
         cta = int64(cuda.blockIdx.x)
@@ -126,20 +146,7 @@ def block_copy_kernel(spec):
         n = desc[c, 4]
         nt = int64(cuda.blockDim.x)
         for u0 in range(int64(cuda.threadIdx.x), n, nt * ILP):
-            u1 = u0 + nt
-            u2 = u1 + nt
-            u3 = u2 + nt
-            v0 = load(src, sb + u0)
-            v1 = load(src, sb + u1) if u1 < n else v0
-            v2 = load(src, sb + u2) if u2 < n else v0
-            v3 = load(src, sb + u3) if u3 < n else v0
-            store(dst, db + u0, v0)
-            if u1 < n:
-                store(dst, db + u1, v1)
-            if u2 < n:
-                store(dst, db + u2, v2)
-            if u3 < n:
-                store(dst, db + u3, v3)
+            move(src, sb, dst, db, u0, nt, n)
 
     kernel.__name__ = f"kv_block_copy_u{spec.unit}"
     return kernel
@@ -166,7 +173,7 @@ def chain_kernel(spec):
     docstring). ``segments [S, 3]``: ``(first index into chain, length, workspace slot or
     -1)``; ``desc`` as the block copy's, its ``dst`` columns the workspace's (slot ``w`` of
     cache ``c`` at ``dst_start + w * dst_block_stride``)."""
-    load, store = _unit_io(spec.unit)
+    load, store, move = _unit_io(spec.unit)
 
     def kernel(arena, desc, chain, segments, num_caches):
         cta = int64(cuda.blockIdx.x)
@@ -190,19 +197,8 @@ def chain_kernel(spec):
             t2 = load(arena, head + u2) if u2 < n else t0
             t3 = load(arena, head + u3) if u3 < n else t0
             for j in range(length - 1):
-                db = start + chain[a + j] * stride
-                sb = start + chain[a + j + 1] * stride
-                v0 = load(arena, sb + u0)
-                v1 = load(arena, sb + u1) if u1 < n else v0
-                v2 = load(arena, sb + u2) if u2 < n else v0
-                v3 = load(arena, sb + u3) if u3 < n else v0
-                store(arena, db + u0, v0)
-                if u1 < n:
-                    store(arena, db + u1, v1)
-                if u2 < n:
-                    store(arena, db + u2, v2)
-                if u3 < n:
-                    store(arena, db + u3, v3)
+                move(arena, start + chain[a + j + 1] * stride, arena,
+                     start + chain[a + j] * stride, u0, nt, n)
             store(arena, last + u0, t0)
             if u1 < n:
                 store(arena, last + u1, t1)
@@ -265,19 +261,17 @@ def _row_mover(spec):
             drow[u] = v if F32 else enc(v)
         return move
 
+    dec2 = kv_pair_decoder(spec.kv)
+
     @device
     def move(srow, drow, u, scale):
         w = load_u32x2(srow, u << 1)  # 8 codes
         lo = int(w[0])
         hi = int(w[1])
-        v0 = dec(lo & 0xFF, scale)
-        v1 = dec((lo >> 8) & 0xFF, scale)
-        v2 = dec((lo >> 16) & 0xFF, scale)
-        v3 = dec((lo >> 24) & 0xFF, scale)
-        v4 = dec(hi & 0xFF, scale)
-        v5 = dec((hi >> 8) & 0xFF, scale)
-        v6 = dec((hi >> 16) & 0xFF, scale)
-        v7 = dec((hi >> 24) & 0xFF, scale)
+        v0, v1 = dec2(lo, scale)
+        v2, v3 = dec2(lo >> 16, scale)
+        v4, v5 = dec2(hi, scale)
+        v6, v7 = dec2(hi >> 16, scale)
         if F32:
             store_u32x4(drow, u << 3, (f32_bits(v0), f32_bits(v1), f32_bits(v2), f32_bits(v3)))
             store_u32x4(drow, (u << 3) + 4,
@@ -362,13 +356,13 @@ def mla_argtypes(spec):
     act = "uint32" if vec else storage_dtype(spec.kind)
     cache = "uint32" if vec else ("uint8" if spec.kv != "auto" else storage_dtype(spec.kind))
     return (a(act, 2), a(act, 2), a(cache, 3), a("int64", 1), a("float32", 1),
-            L.i64(0).numba_type, L.i64(0).numba_type, L.i64(0).numba_type)
+            L.i64(0).numba_type, L.i64(0).numba_type)
 
 
 def mla_kernel(spec):
     """The ``@cuda.jit`` function for ``spec``: ``(kv_c, k_pe, kv_cache, slot_mapping, scale,
-    rows, units_c, units_pe)``; ``units_*``: 16-byte units (vector: 8 elements) or elements of
-    ``kv_c``'s / ``k_pe``'s row, ``kv_c``'s first in the cache row."""
+    units_c, units_pe)``, one thread block a token; ``units_*``: 16-byte units (vector: 8
+    elements) or elements of ``kv_c``'s / ``k_pe``'s row, ``kv_c``'s first in the cache row."""
     vec, FP8 = spec.layout == "vector", spec.kv != "auto"
     enc = kv_encoder(spec.kv) if FP8 else None
     packw = kv_packer(spec.kv) if FP8 else None
@@ -393,28 +387,23 @@ def mla_kernel(spec):
         else:
             crow[cu] = enc(dec(src[u]), sc)
 
-    def kernel(kv_c, k_pe, kv_cache, slots, scale, rows, units_c, units_pe):
+    def kernel(kv_c, k_pe, kv_cache, slots, scale, units_c, units_pe):
         vals = cuda.local.array(8, float32)
-        t0 = int64(cuda.blockIdx.x) * rows
-        per_row = units_c + units_pe
-        sc = scale[0] if FP8 else float32(1)
+        t = int64(cuda.blockIdx.x)
+        slot = slots[t]
+        if slot < 0:
+            return
         B = int64(kv_cache.shape[1])
-        T = int64(slots.shape[0])
-        for i in range(int64(cuda.threadIdx.x), rows * per_row, int64(cuda.blockDim.x)):
-            j = i // per_row
-            t = t0 + j
-            if t >= T:
-                continue
-            slot = slots[t]
-            if slot < 0:
-                continue
-            blk = slot // B
-            crow = kv_cache[blk, slot - blk * B]
-            u = i - j * per_row
+        blk = slot // B
+        crow = kv_cache[blk, slot - blk * B]
+        sc = scale[0] if FP8 else float32(1)
+        src_c = kv_c[t]
+        src_p = k_pe[t]
+        for u in range(int64(cuda.threadIdx.x), units_c + units_pe, int64(cuda.blockDim.x)):
             if u < units_c:
-                put(kv_c[t], crow, u, u, sc, vals)
+                put(src_c, crow, u, u, sc, vals)
             else:
-                put(k_pe[t], crow, u - units_c, u, sc, vals)
+                put(src_p, crow, u - units_c, u, sc, vals)
 
     kernel.__name__ = f"kv_mla_{spec.kind}_{spec.kv}_{spec.layout}"
     return kernel

@@ -83,10 +83,11 @@ def table(op, like, rows):
 
 def upload(name, like, stream, host):
     """``host`` (an int64 NumPy array) copied into the workspace ``name`` of ``like``'s device and
-    launch ``stream``, on that stream and synchronously (the copy is done when this returns, and
-    it waits for the stream's earlier work, which may still read the buffer): the device copy of
-    a per-call host table (block numbers a launch reads). Returns ``(buffer, rows)``; under the
-    simulator, ``host`` itself."""
+    launch ``stream``, as a copy queued on that stream: ordered after the stream's earlier
+    launches (which may still read the buffer) and before the launch that follows, with no host
+    synchronisation (the driver stages a pageable source before the call returns). The device
+    copy of a per-call host table (block numbers a launch reads). Returns the ``[n, ...]``
+    view of the buffer; under the simulator, ``host`` itself."""
     import numpy as np
     host = np.ascontiguousarray(host, dtype=np.int64)
     if like.lib == "numpy":
@@ -96,10 +97,13 @@ def upload(name, like, stream, host):
     if like.lib == "torch":
         torch = ad._torch
         handle = ad.stream_handle(like, stream)
-        with ad.device_guard(like), torch.cuda.stream(
-                torch.cuda.ExternalStream(handle, device=like.obj.device)):
-            buf[:n].copy_(torch.from_numpy(host))
-            torch.cuda.current_stream(like.obj.device).synchronize()
+        src = torch.from_numpy(host)
+        with ad.device_guard(like):
+            if handle == torch._C._cuda_getCurrentRawStream(like.device):
+                buf[:n].copy_(src, non_blocking=True)
+            else:
+                with torch.cuda.stream(torch.cuda.ExternalStream(handle, device=like.obj.device)):
+                    buf[:n].copy_(src, non_blocking=True)
     else:
         from numba import cuda
         with cuda.gpus[like.device]:

@@ -41,6 +41,7 @@ from ._torch_ops import torch_op
 __all__ = ["copy_blocks", "swap_blocks", "gather_cache", "compact_blocks", "concat_and_cache_mla"]
 
 MAX_THREADS = 256
+GATHER_BLOCKS = 256  # thread blocks a gather aims for before it puts more rows in each
 SEGMENT = 16  # cycle members a compaction segment moves (the workspace is <= 1/SEGMENT of them)
 _KV = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 _CACHE_KINDS = {"fp8_e4m3": ("fp8", "u8"), "fp8_e5m2": ("fp8_e5m2", "u8")}
@@ -104,6 +105,13 @@ def _index_array(op, name, obj, like, like_name, kind="i64", ndim=None, cols=Non
     if cols is not None and a.shape[1] != cols:
         fail_value(op, name, f"of shape [n, {cols}]", f"shape {list(a.shape)}")
     return a
+
+
+def _last_contiguous(op, named):
+    for name, a in named.items():
+        if a.shape[-1] > 1 and a.strides[-1] != 1 and 0 not in a.shape:
+            fail_value(op, name, "contiguous in its last dimension (stride 1)",
+                       f"strides {list(a.strides)} (in elements)")
 
 
 def _host_int64(op, name, obj, ndim):
@@ -247,8 +255,9 @@ def swap_blocks(src, dst, block_size_in_bytes, block_mapping, *, stream=None, la
         block_size_in_bytes: bytes per block to copy, at most either pool's block.
         block_mapping: int64 ``[num_pairs, 2]`` ``(s, d)`` block numbers, on the CPU (vLLM's
             rule; checked there: each -1 or below its pool's ``num_blocks``) or on the GPU
-            (unchecked device reads, and no host synchronisation). A CPU mapping is copied to
-            the device on the launch stream, which waits for that stream's earlier work.
+            (unchecked device reads). A CPU mapping is copied to the device on the launch
+            stream (no host synchronisation; not for CUDA-graph capture, which needs the
+            mapping on the device).
         stream: CUDA stream; default the caller's current stream.
 
     Returns ``dst``. Mutates: ``dst``'s blocks.
@@ -308,34 +317,50 @@ def _segments(perm):
     cycles of two or more blocks ``c_0, c_1 = perm[c_0], ...`` cut into segments of at most
     :data:`SEGMENT` members; ``chain`` their members back to back, ``segments [S, 3]`` ``(first
     index into chain, length, workspace slot or -1)`` and ``heads [H, 2]`` ``(block, slot)``:
-    the old block each slot saves (the member after a segment that is not a whole cycle)."""
+    the old block each slot saves (the member after a segment that is not a whole cycle).
+    Compiled for the CPU (``numba.njit``) once per process: a Python loop would cost about a
+    millisecond per 2,000 blocks."""
+    perm = np.ascontiguousarray(perm, dtype=np.int64)
+    return _split_cycles(perm, SEGMENT)
+
+
+def _split_cycles_py(perm, seg):
     n = perm.shape[0]
-    seen = np.zeros(n, bool)
-    chain, segs, heads = [], [], []
+    seen = np.zeros(n, np.bool_)
+    chain = np.empty(n, np.int64)
+    segs = np.empty((n, 3), np.int64)
+    heads = np.empty((n, 2), np.int64)
+    nc = ns = nh = 0
     for i0 in range(n):
         if seen[i0] or perm[i0] == i0:
             seen[i0] = True
             continue
-        cyc = [i0]
-        seen[i0] = True
-        j = int(perm[i0])
-        while j != i0:
-            cyc.append(j)
+        start = nc
+        j = i0
+        while not seen[j]:  # the cycle, in order
             seen[j] = True
-            j = int(perm[j])
-        k = len(cyc)
-        if k <= SEGMENT:
-            segs.append((len(chain), k, -1))
-            chain += cyc
+            chain[nc] = j
+            nc += 1
+            j = perm[j]
+        k = nc - start
+        if k <= seg:
+            segs[ns, 0], segs[ns, 1], segs[ns, 2] = start, k, -1
+            ns += 1
             continue
-        for a in range(0, k, SEGMENT):
-            b = min(a + SEGMENT, k)
-            w = len(heads)
-            heads.append((cyc[b % k], w))
-            segs.append((len(chain), b - a, w))
-            chain += cyc[a:b]
-    return (np.array(heads, np.int64).reshape(-1, 2), np.array(chain, np.int64),
-            np.array(segs, np.int64).reshape(-1, 3))
+        for a in range(0, k, seg):
+            b = min(a + seg, k)
+            heads[nh, 0], heads[nh, 1] = chain[start + b % k], nh
+            segs[ns, 0], segs[ns, 1], segs[ns, 2] = start + a, b - a, nh
+            nh += 1
+            ns += 1
+    return heads[:nh].copy(), chain[:nc].copy(), segs[:ns].copy()
+
+
+try:
+    import numba as _numba
+    _split_cycles = _numba.njit(cache=True)(_split_cycles_py)
+except Exception:  # pragma: no cover - numba is a dependency; keep the pure-Python twin usable
+    _split_cycles = _split_cycles_py
 
 
 @torch_op("Tensor(a!)[] kv_cache, Tensor permutation", returns=("kv_cache",))
@@ -357,13 +382,14 @@ def compact_blocks(kv_cache, permutation, *, stream=None, launch_key=None):
         kv_cache: a cache array ``[num_blocks, ...]``, or a list of them (every layer's caches:
             one launch pair for all), any dtype, each block a dense span of memory (as
             :func:`copy_blocks`).
-        permutation: host int64 ``[n]`` (NumPy or a CPU tensor), ``n <= num_blocks`` of every
-            cache, a permutation of ``0 .. n-1`` (checked on the host).
+        permutation: int64 ``[n]``, ``n <= num_blocks`` of every cache, a permutation of
+            ``0 .. n-1`` (checked on the host): NumPy or a CPU tensor, or a CUDA tensor, which
+            is copied to the host first (a synchronisation).
         stream: CUDA stream; default the caller's current stream.
 
     Returns ``kv_cache``. Mutates: every cache's first ``n`` blocks. The permutation's tables are
-    copied to the device on the launch stream, which waits for that stream's earlier work: not
-    for CUDA-graph capture.
+    made on the host and copied to the device on the launch stream at every call (no host
+    synchronisation): not for CUDA-graph capture.
 
     Raises ``LoomnbTypeError`` / ``LoomnbValueError`` naming the argument (not a permutation,
     longer than a pool, a block that is not a dense span) before any launch; the identity is a
@@ -386,11 +412,13 @@ def compact_blocks(kv_cache, permutation, *, stream=None, launch_key=None):
         spans.append(_block_span(op, name, c))
     C.writable(op, dict(caches))
     C.no_overlap(op, dict(caches), {}, interleaved=True)
+    if torch is not None and isinstance(permutation, torch.Tensor) and permutation.is_cuda:
+        permutation = permutation.cpu()  # the host splits the cycles: a synchronisation
     perm = _host_int64(op, "permutation", permutation, 1)
     if perm is None:
         got = (f"a tensor on {permutation.device}" if torch is not None and
                isinstance(permutation, torch.Tensor) else type(permutation).__name__)
-        fail_type(op, "permutation", "a host int64 array (NumPy or a CPU tensor)", got)
+        fail_type(op, "permutation", "an int64 array (NumPy or a torch tensor)", got)
     n = perm.shape[0]
     nb = min(c.shape[0] for _, c in caches)
     if n > nb:
@@ -500,10 +528,7 @@ def gather_cache(src_cache, dst, block_table, cu_seq_lens, kv_cache_dtype="auto"
     else:
         check_kind(op, "src_cache", s, _CACHE_KINDS[kvd])
         check_kind(op, "dst", d, KINDS)
-    for name, a in (("src_cache", s), ("dst", d)):
-        if a.shape[-1] > 1 and a.strides[-1] != 1 and 0 not in a.shape:
-            fail_value(op, name, "contiguous in its last dimension (stride 1)",
-                       f"strides {list(a.strides)} (in elements)")
+    _last_contiguous(op, {"src_cache": s, "dst": d})
     bt = _index_array(op, "block_table", block_table, s, "src_cache", "i32", ndim=2)
     cu = _index_array(op, "cu_seq_lens", cu_seq_lens, s, "src_cache", "i32", ndim=1)
     if cu.shape[0] < 1:
@@ -547,7 +572,8 @@ def gather_cache(src_cache, dst, block_table, cu_seq_lens, kv_cache_dtype="auto"
         spec = GatherSpec(d.kind, kvd, "vector" if vec else "scalar")
         units = D // 8 if vec else D
     per_row = d.shape[1] * units
-    rows = max(1, min(MAX_ROWS, MAX_THREADS // per_row))
+    # rows a thread block: enough to amortise its binary searches, few enough for ~256 blocks
+    rows = max(1, min(MAX_ROWS, d.shape[0] // GATHER_BLOCKS))
     threads = L.forced_threads() or min(MAX_THREADS, L.whole_warps(rows * per_row))
     params = [L.array(s, words=vec), L.array(d, words=vec), L.array(bt), L.array(cu),
               L.array(st) if st is not None else L.absent("int32", 1),
@@ -624,10 +650,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, sca
     if kc.ndim != 3 or kc.shape[2] != Lr + P:
         fail_value(op, "kv_cache", f"3-D [num_blocks, block_size, kv_lora_rank + pe_dim = "
                    f"{Lr + P}]", f"shape {list(kc.shape)}")
-    for name, a in (("kv_c", c), ("k_pe", p), ("kv_cache", kc)):
-        if a.shape[-1] > 1 and a.strides[-1] != 1 and 0 not in a.shape:
-            fail_value(op, name, "contiguous in its last dimension (stride 1)",
-                       f"strides {list(a.strides)} (in elements)")
+    _last_contiguous(op, {"kv_c": c, "k_pe": p, "kv_cache": kc})
     sl = _index_array(op, "slot_mapping", slot_mapping, c, "kv_c", ndim=1)
     if sl.shape[0] > c.shape[0]:
         fail_value(op, "slot_mapping", f"of length at most {c.shape[0]} (kv_c's tokens)",
@@ -656,11 +679,9 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, sca
                and C.vectors_ok(kc, unit=8))
     spec = MlaSpec(c.kind, kvd, "vector" if vec else "scalar")
     uc, up = (Lr * isz // 16, P * isz // 16) if vec else (Lr, P)
-    rows = max(1, min(MAX_ROWS, MAX_THREADS // (uc + up)))
-    threads = L.forced_threads() or min(MAX_THREADS, L.whole_warps(rows * (uc + up)))
+    threads = L.forced_threads() or min(MAX_THREADS, L.whole_warps(uc + up))
     params = [L.array(c, words=vec), L.array(p, words=vec), L.array(kc, words=vec), L.array(sl),
-              L.array(sc) if sc is not None else L.absent("float32", 1),
-              L.i64(rows), L.i64(uc), L.i64(up)]
-    grid = -(-sl.shape[0] // rows)
-    L.launch(mla_kernel, spec, grid, threads, params, like=c, stream=stream, key=launch_key)
+              L.array(sc) if sc is not None else L.absent("float32", 1), L.i64(uc), L.i64(up)]
+    L.launch(mla_kernel, spec, sl.shape[0], threads, params, like=c, stream=stream,
+             key=launch_key)
     return kv_cache
