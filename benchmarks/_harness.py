@@ -599,6 +599,22 @@ def tuned(base, module, suffix, **config):
                  "__doc__": f"{base.name} with {module}.{config} (--tune)"})
 
 
+def load_vllm_library(args):
+    """``(path, error)``: vLLM's compiled-ops library from ``--vllm-lib`` or ``LOOMNB_VLLM_LIB``
+    loaded into ``torch.ops`` (``path`` None when neither is given; ``error`` a provider's
+    skip reason, or None)."""
+    path = getattr(args, "vllm_lib", None) or os.environ.get("LOOMNB_VLLM_LIB")
+    if not path:
+        return None, None
+    if not Path(path).is_file():
+        return path, f"vLLM library not found: {path}"
+    try:
+        torch.ops.load_library(path)
+    except Exception as e:  # noqa: BLE001
+        return path, f"torch.ops.load_library({path}) failed: {e!r}"
+    return path, None
+
+
 class VllmProvider(Provider):
     """vLLM's compiled ops from its .so, loaded without importing vllm; arguments are bound by
     the schema's names (printed at start). Ops already registered in-process (tests) are used
@@ -607,16 +623,12 @@ class VllmProvider(Provider):
     family: Family = None
 
     def setup(self, args, log):
-        path = args.vllm_lib or os.environ.get("LOOMNB_VLLM_LIB")
+        path, err = load_vllm_library(args)
+        if err:
+            return err
         ns = getattr(torch.ops, self.family.vllm_ns)
         first = next((o.vllm for o in self.family.ops.values() if o.vllm), None)
         if path:
-            if not Path(path).is_file():
-                return f"vLLM library not found: {path}"
-            try:
-                torch.ops.load_library(path)
-            except Exception as e:  # noqa: BLE001
-                return f"torch.ops.load_library({path}) failed: {e!r}"
             self.lib = str(Path(path).resolve())
         elif first and hasattr(ns, first):
             self.lib = f"torch.ops.{self.family.vllm_ns} already registered in this process"

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import statistics
 import sys
 from functools import partial
@@ -401,14 +400,9 @@ class Vllm(H.Provider):
                 "concat_and_cache_mla": ("kv_c", "k_pe", "kv_cache", "slot_mapping", "scale")}
 
     def setup(self, args, log):
-        path = args.vllm_lib or os.environ.get("LOOMNB_VLLM_LIB")
-        if path:
-            if not Path(path).is_file():
-                return f"vLLM library not found: {path}"
-            try:
-                torch.ops.load_library(path)
-            except Exception as e:  # noqa: BLE001
-                return f"torch.ops.load_library({path}) failed: {e!r}"
+        path, err = H.load_vllm_library(args)
+        if err:
+            return err
         self.packets, self.schemas, self.bindings, self.log = {}, {}, {}, log
         self.fallbacks_logged = set()
         for name in self.NAMES:

@@ -21,7 +21,6 @@ twice). The sweep is lean by default (about 3 GPU minutes, FlashInfer's JIT incl
 
 from __future__ import annotations
 
-import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -149,14 +148,9 @@ class Vllm(H.Provider):
     rope_ns, cache_ns = "_C", "_C_cache_ops"
 
     def setup(self, args, log):
-        path = args.vllm_lib or os.environ.get("LOOMNB_VLLM_LIB")
-        if path:
-            if not Path(path).is_file():
-                return f"vLLM library not found: {path}"
-            try:
-                torch.ops.load_library(path)
-            except Exception as e:  # noqa: BLE001
-                return f"torch.ops.load_library({path}) failed: {e!r}"
+        path, err = H.load_vllm_library(args)
+        if err:
+            return err
         try:
             self.rope = getattr(torch.ops, self.rope_ns).rotary_embedding
             self.cache = getattr(torch.ops, self.cache_ns).reshape_and_cache_flash

@@ -107,6 +107,16 @@ def _index_array(op, name, obj, like, like_name, kind="i64", ndim=None, cols=Non
     return a
 
 
+def _fp8_scale(op, kvd, kv_cache_dtype, scale, like, like_name):
+    """The one-element float32 ``scale`` an FP8 cache needs (None for ``"auto"``)."""
+    if kvd == "auto":
+        return None
+    if scale is None:
+        fail_value(op, "scale", f"a float32 device array for kv_cache_dtype {kv_cache_dtype!r}",
+                   "None")
+    return C.one_element(op, "scale", scale, like, like_name=like_name)
+
+
 def _last_contiguous(op, named):
     for name, a in named.items():
         if a.shape[-1] > 1 and a.strides[-1] != 1 and 0 not in a.shape:
@@ -542,12 +552,7 @@ def gather_cache(src_cache, dst, block_table, cu_seq_lens, kv_cache_dtype="auto"
         st = _index_array(op, "seq_starts", seq_starts, s, "src_cache", "i32", ndim=1)
         if st.shape[0] != batch:
             fail_value(op, "seq_starts", f"of length batch = {batch}", f"length {st.shape[0]}")
-    sc = None
-    if kvd != "auto":
-        if scale is None:
-            fail_value(op, "scale", f"a float32 device array for kv_cache_dtype "
-                       f"{kv_cache_dtype!r}", "None")
-        sc = C.one_element(op, "scale", scale, s, like_name="src_cache")
+    sc = _fp8_scale(op, kvd, kv_cache_dtype, scale, s, "src_cache")
     C.writable(op, {"dst": d})
     C.no_overlap(op, {"dst": d}, {"src_cache": s, "block_table": bt, "cu_seq_lens": cu,
                                   "seq_starts": st, "scale": sc})
@@ -655,13 +660,8 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, sca
     if sl.shape[0] > c.shape[0]:
         fail_value(op, "slot_mapping", f"of length at most {c.shape[0]} (kv_c's tokens)",
                    f"length {sl.shape[0]}")
-    sc = None
-    if kvd != "auto":
-        if scale is None:
-            fail_value(op, "scale", f"a float32 device array for kv_cache_dtype "
-                       f"{kv_cache_dtype!r}", "None")
-        sc = C.one_element(op, "scale", scale, c, like_name="kv_c")
-    elif scale is not None:
+    sc = _fp8_scale(op, kvd, kv_cache_dtype, scale, c, "kv_c")
+    if kvd == "auto" and scale is not None:
         C.one_element(op, "scale", scale, c, like_name="kv_c")
     C.writable(op, {"kv_cache": kc})
     C.no_overlap(op, {"kv_cache": kc}, {"kv_c": c, "k_pe": p, "slot_mapping": sl, "scale": sc})
