@@ -85,6 +85,8 @@
 #                                   # tests and the graphed loop at batch 1, 8, 64 (context 128, 2048)
 #   bash scripts/gpu_session.sh KV  # after the last bundle of numpy,vllm: the KV-movement family's GPU
 #                                   # tests and op cases, memcheck over them, its benchmark vs vLLM
+#   bash scripts/gpu_session.sh MOE # after the last bundle of numpy,vllm: the MoE family's GPU tests
+#                                   # and op cases, memcheck over them, its benchmark vs vLLM's _moe_C
 #   bash scripts/gpu_session.sh Y [CMD]  # after X, with each later bundle: run CMD, then collect the
 #                                   # detached runs' logs so far
 # Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
@@ -241,6 +243,26 @@ elif [ "$part" = KV ]; then  # session 12, after the last bundle of numpy,vllm: 
   tar czf "$OUT/session_KV.tgz" -C "$R" .
   tail -n 3 "$R/pytest_kv.log" "$R/pytest_cases.log"; grep -hE "^(FAILED|ERROR) " "$R"/pytest_*.log | head -20
   grep -E "ERROR SUMMARY|passed|rc=" "$R/memcheck_kv.log"; tail -40 "$R/bench.log"
+  exit 0
+elif [ "$part" = MOE ]; then  # the moe family: its GPU file (vLLM's _moe_C ops beside it), every op
+  # case's zero-size, property and no-recompile checks, memcheck over them, then its benchmark
+  sel="topk_softmax or topk_sigmoid or grouped_topk or moe_align or moe_permute or moe_unpermute or moe_sum"
+  timeout 200 python3 -m pytest -q -rfEs -m gpu -n 8 tests/test_moe_gpu.py tests/test_zero_size.py \
+    tests/test_fuzz.py tests/test_recompile_gpu.py tests/test_torch_ops_gpu.py -k "$sel" \
+    -p no:cacheprovider > "$R/pytest_moe.log" 2>&1
+  echo "pytest moe rc=$?" >> "$R/pytest_moe.log"
+  timeout 150 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 \
+    python3 -m pytest -q -m gpu tests/test_moe_gpu.py tests/test_zero_size.py tests/test_fuzz.py \
+    -k "($sel) and not serving and not vllm and not compile" \
+    -p no:cacheprovider > "$R/memcheck_moe.log" 2>&1
+  echo "memcheck rc=$?" >> "$R/memcheck_moe.log"
+  mkdir -p "$R/bench"
+  timeout "${BENCH_LIMIT:-240}" python3 benchmarks/bench_moe.py --vllm-moe-lib "$LOOMNB_VLLM_MOE_LIB" \
+    --out-dir "$R/bench" ${BENCH_ARGS:-} > "$R/bench.log" 2>&1
+  echo "bench rc=$?" >> "$R/bench.log"
+  tar czf "$OUT/session_MOE.tgz" -C "$R" .
+  tail -n 3 "$R/pytest_moe.log"; grep -hE "^(FAILED|ERROR) " "$R"/pytest_*.log | head -20
+  grep -E "ERROR SUMMARY|passed|rc=" "$R/memcheck_moe.log"; tail -40 "$R/bench.log"
   exit 0
 elif [ "$part" = S11 ]; then  # session 11, after the last bundle of numpy,model (S and Y before it): wait
   # for part S's xdist run, then the model's GPU tests and the graphed loop (batch 1, 8 and 64,

@@ -853,6 +853,129 @@ def _(rng, d, kind, special):
             scale if kv != "auto" or rng.random() < 0.5 else None), {}
 
 
+# ---------------------------------------------------------------- moe
+def compare_moe_route(got, want, kind, what, mode, inputs=None):
+    """Ids (and token_expert_indices) bit for bit; the float32 weights bit for bit in the
+    simulator and within the ``moe_route`` row on the GPU (libdevice ``expf``)."""
+    for i, (g, w) in enumerate(zip(_leaves(got), _leaves(want))):
+        if g.dtype == np.float32 and mode == "gpu":
+            assert np.array_equal(np.isnan(g), np.isnan(w)), f"{what}: NaN positions differ"
+            ok = ~np.isnan(w)
+            assert_ulps(g[ok], w[ok], ulps("moe_route", "f32"), f"{what}: weights")
+        else:
+            assert_same(g, w, f"{what}: result {i}")
+
+
+ROUTE_DIMS = {"num_tokens": 3, "num_experts": 24, "topk": 3}
+ROUTE_RANGES = {"num_tokens": (1, 6), "num_experts": (2, 70), "topk": (1, 4)}
+ROUTE = dict(zero=("num_tokens",), ranges=ROUTE_RANGES, compare=compare_moe_route,
+             recompile_dim="num_tokens")
+
+
+def _route_args(rng, d, kind, special):
+    E = d["num_experts"]
+    g = values(rng, (d["num_tokens"], E), kind, special, 2.0)
+    bias = values(rng, (E,), "f32", False, 0.3) if rng.random() < 0.5 else None
+    return g, min(d["topk"], E), bool(rng.random() < 0.5), bias
+
+
+@case("topk_softmax", "moe", ROUTE_DIMS, **ROUTE)
+def _(rng, d, kind, special):
+    g, k, renorm, bias = _route_args(rng, d, kind, special)
+    return (g, k, renorm), {"e_score_correction_bias": bias}
+
+
+@case("topk_sigmoid", "moe", ROUTE_DIMS, **ROUTE)
+def _(rng, d, kind, special):
+    g, k, renorm, bias = _route_args(rng, d, kind, special)
+    return (g, k, renorm), {"e_score_correction_bias": bias}
+
+
+GROUPED_DIMS = {"num_tokens": 3, "num_expert_group": 4, "group_size": 4, "topk": 3}
+GROUPED_RANGES = {"num_tokens": (1, 5), "num_expert_group": (1, 8), "group_size": (2, 8),
+                  "topk": (1, 6)}
+
+
+@case("grouped_topk", "moe", GROUPED_DIMS, zero=("num_tokens",), ranges=GROUPED_RANGES,
+      compare=compare_moe_route, recompile_dim="num_tokens")
+def _(rng, d, kind, special):
+    G, gs = d["num_expert_group"], d["group_size"]
+    E = G * gs
+    g = values(rng, (d["num_tokens"], E), kind, special, 2.0)
+    tg = int(rng.integers(1, G + 1))
+    k = min(d["topk"], tg * gs)
+    bias = values(rng, (E,), "f32", False, 0.3) if rng.random() < 0.5 else None
+    score = str(rng.choice(["softmax", "sigmoid"]))
+    scale = float(rng.choice([1.0, 2.5]))
+    hidden = np.zeros((d["num_tokens"], 2), np.float32)
+    return (hidden, g, k, bool(rng.random() < 0.5), G, tg, score, scale, bias), {}
+
+
+ALIGN_DIMS = {"num_tokens": 5, "topk": 2, "num_experts": 6, "block_size": 4}
+ALIGN_RANGES = {"num_tokens": (1, 40), "topk": (1, 4), "num_experts": (1, 20),
+                "block_size": (1, 8)}
+
+
+def _topk_ids(rng, M, k, E, dtype=np.int32, invalid=True):
+    ids = rng.integers(0, E, (M, k))
+    if invalid and ids.size and rng.random() < 0.3:  # dropped ids: -1 and >= num_experts
+        ids[rng.random(ids.shape) < 0.1] = int(rng.choice([-1, E]))
+    return ids.astype(dtype)
+
+
+@case("moe_align_block_size", "moe", ALIGN_DIMS, zero=("num_tokens", "topk"),
+      ranges=ALIGN_RANGES, kinds=("f32",), specials=False, recompile_dim="num_tokens")
+def _(rng, d, kind, special):
+    E = d["num_experts"]
+    ids = _topk_ids(rng, d["num_tokens"], d["topk"], E,
+                    np.int64 if rng.random() < 0.3 else np.int32)
+    emap = rng.integers(-1, E, E).astype(np.int32) if rng.random() < 0.3 else None
+    return (ids, d["block_size"], E, emap, bool(rng.random() < 0.3)), {}
+
+
+ROWS_DIMS = {"num_tokens": 3, "topk": 2, "hidden_size": 16, "num_experts": 4, "wide": 0}
+ROWS_RANGES = {"num_tokens": (1, 5), "topk": (1, 3), "hidden_size": (1, 40),
+               "num_experts": (1, 6), "wide": (0, 1)}
+
+
+def _sorted_ids(rng, d):
+    from loomnb.oracle import moe_align_block_size
+    E = d["num_experts"]
+    ids = _topk_ids(rng, d["num_tokens"], d["topk"], E, invalid=False)
+    return moe_align_block_size(ids, int(rng.choice([1, 4])), E)[0]
+
+
+@case("moe_permute", "moe", ROWS_DIMS, zero=("num_tokens", "hidden_size"), ranges=ROWS_RANGES,
+      recompile_dim="num_tokens")
+def _(rng, d, kind, special):
+    x = rows_of(rng, d["num_tokens"], d["hidden_size"], kind, special, d["wide"], 2.0)
+    fp8 = rng.random() < 0.4
+    ub = f32_scalar(float(rng.choice([0.5, 100.0]))) if fp8 and rng.random() < 0.5 else None
+    return (x, _sorted_ids(rng, d), d["topk"], "fp8" if fp8 else "none", ub), {}
+
+
+@case("moe_unpermute", "moe", ROWS_DIMS, zero=("num_tokens", "hidden_size"),
+      ranges=ROWS_RANGES, recompile_dim="num_tokens")
+def _(rng, d, kind, special):
+    s = _sorted_ids(rng, d)
+    y = rows_of(rng, s.shape[0], d["hidden_size"], kind, special, d["wide"])
+    w = values(rng, (d["num_tokens"], d["topk"]), "f32", False).astype(np.float32)
+    return (y, s, w), {}
+
+
+SUM_DIMS = {"num_tokens": 3, "topk": 2, "hidden_size": 16, "wide": 0}
+SUM_RANGES = {"num_tokens": (1, 5), "topk": (1, 9), "hidden_size": (1, 40), "wide": (0, 1)}
+
+
+@case("moe_sum", "moe", SUM_DIMS, zero=("num_tokens", "topk", "hidden_size"), ranges=SUM_RANGES,
+      recompile_dim="num_tokens")
+def _(rng, d, kind, special):
+    M, k, H = d["num_tokens"], d["topk"], d["hidden_size"]
+    pad = int(rng.integers(1, 9)) if d["wide"] else 0
+    buf = values(rng, (M, k, H + pad), kind, special)
+    return (buf[:, :, pad:],), {}
+
+
 # ---------------------------------------------------------------- what a serving loop grows
 # The sizes each grown dimension takes in the no-recompile tests: past every size rule of the
 # families (activation: 1, 2 and 4 units a thread at 33,792 and 2^20 units; attention: 1/2/4

@@ -139,7 +139,29 @@ def _kv_blocks_checks(spec, ptx):
         assert "cvt.rn.satfinite.e5m2x2.f32" in ptx
 
 
-FAMILY_CHECKS = {"_norm_kernels": _norm_checks, "_sampling_kernels": _sampling_checks, "_activation_kernels": _activation_checks, "_rope_cache_kernels": _rope_cache_checks, "_attention_kernels": _attention_checks, "_spec_decode_kernels": _spec_decode_checks, "_kv_blocks_kernels": _kv_blocks_checks}
+def _moe_checks(spec, ptx):
+    """Routing reduces over the warp by shuffles and needs no barrier (one warp a token); the
+    align's passes use shared-memory atomics
+    and barriers; the row kernels move 16 bytes an instruction on the vector layout, and the
+    combine and moe_sum never contract a product and a sum into an FMA (the oracle's order)."""
+    name = type(spec).__name__
+    if name == "RouteSpec":
+        assert "shfl.sync.bfly.b32" in ptx and "bar.sync" not in ptx
+        assert "shfl.sync.idx.b32" in ptx, "the picked expert's weight from its lane"
+    elif name == "AlignSpec":
+        assert "bar.sync" in ptx and "atom.shared.add" in ptx
+        if spec.part == "count":
+            assert "atom.global.inc.u32" in ptx, "the last block's ticket"
+    elif name == "RowsSpec":
+        if spec.layout == "vector":
+            assert "ld.v4." in ptx or "ld.global.v4." in ptx, "vector loads"
+        if spec.op in ("combine", "sum"):
+            assert "fma.rn.f32" not in ptx, "no contracted FMA"
+        if spec.op == "permute_fp8" and spec.layout == "vector":
+            assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+
+
+FAMILY_CHECKS = {"_moe_kernels": _moe_checks, "_norm_kernels": _norm_checks, "_sampling_kernels": _sampling_checks, "_activation_kernels": _activation_checks, "_rope_cache_kernels": _rope_cache_checks, "_attention_kernels": _attention_checks, "_spec_decode_kernels": _spec_decode_checks, "_kv_blocks_kernels": _kv_blocks_checks}
 
 
 def test_every_family_declares_variants():

@@ -67,6 +67,15 @@ TOL = {
     # kv_blocks: byte copies, and FP8 conversions of one element each (x / scale to a code,
     # f32(code) * scale to the dst dtype): bit-exact; a float32 NaN's payload is not compared.
     ("kv_blocks", "any"): (0, 0.0, "copies and per-element FP8 conversions: bit-exact"),
+    # moe routing weights on the GPU: softmax p = r32(e * r32(1 / S)) from libdevice expf
+    # terms (<= 2 ulps each; the oracle rounds float64 exp once), S their float64 sum (so <= 2
+    # ulps relative), hence p within ~5 ulps; renormalising divides by the float32 sum of the
+    # picks (itself within ~5 ulps) -- <= ~11 ulps, 16 allowed; sigmoid r32(1 / (1 + expf(-x)))
+    # <= 3. Against vLLM's op the same budget covers its float32 butterfly sums. Ids, the
+    # align, the gathers, the combine (IEEE products and sums in a fixed order) and moe_sum are
+    # bit-exact (the simulator's weights too: it computes exp as the oracle does).
+    ("moe_route", "f32"): (16, 1.0, "libdevice expf terms through the softmax and renormalisation"),
+    ("moe", "any"): (0, 0.0, "align, gathers, fixed-order float32 combine, moe_sum: bit-exact"),
 }
 
 # relative tolerance of the per-token FP8 scale: amax/448 of values that are bit-exact but for

@@ -167,7 +167,10 @@ if SIM:
 
     @device
     def expf(v):
-        """float32 ``exp`` as the oracle computes it: float64 ``exp`` rounded once."""
+        """float32 ``exp`` as the oracle computes it: float64 ``exp`` rounded once (NaN stays
+        NaN, as libdevice's)."""
+        if v != v:
+            return F32(v)
         r = math.exp(float(v)) if float(v) < 709.0 else math.inf
         return F32(math.inf) if r >= _FLT_OVER else F32(r)
 

@@ -18,6 +18,13 @@
   serves one reduction; before reusing it, the caller puts a ``cuda.syncthreads()``.
 * ``group_argmax(width)`` / ``block_argmax``: the (value, index) of the largest value, the lowest
   index winning ties and NaN counting as the largest (``torch.argmax``).
+* ``order_key(v, i)`` / ``key_value(k)`` / ``key_index(k)``: a float32 and a non-negative index
+  packed into one uint64 whose unsigned order is ``argmax_combine``'s (larger value first, NaN
+  largest, then the lower index; ``-0.0`` counts as ``+0.0``); 0 is below every key ("none").
+  ``group_max_u64(width)`` folds keys over a lane group with one 64-bit shuffle a step (a
+  warp argmax in half the shuffles of ``group_argmax``), ``group_top2_u64(a, b, width)`` the
+  two largest keys of a group (``width`` known at run time), and ``lane_broadcast(v, src)``
+  lane ``src``'s float32 ``v`` in every lane of the warp.
 
 A lane or warp that holds no value takes part with the combine's identity (a sum pads with 0, a
 max with -inf, a min with +inf -- never 0 for a max of negative values). Block sizes must be
@@ -33,9 +40,10 @@ from __future__ import annotations
 import functools
 import math
 
-from numba import cuda, float32, float64, int64
+from numba import cuda, float32, float64, int64, uint32, uint64
 
 from .._numba_internals import SIM, device
+from ..layouts.dtypes import bits_f32, f32_bits
 
 FULL_MASK = 0xFFFFFFFF
 REDUCE_SCRATCH = 1024 if SIM else 32  # shared-memory values a block reduction needs
@@ -271,6 +279,123 @@ else:
         for k in range(1, cuda.blockDim.x >> 5):
             bv, bi = argmax_combine(bv, bi, scratch_v[k], scratch_i[k])
         return bv, bi
+
+
+# ---------------------------------------------------------------- ordered keys
+_SIGN = 0x80000000
+_LOW = 0xFFFFFFFF
+
+
+@device
+def order_key(v, i):
+    """``v`` (float32; every NaN as one, ``-0.0`` as ``+0.0``) and index ``i`` (``0 <= i <
+    2^32 - 1``) as one uint64 ordered like :func:`argmax_combine`."""
+    if v != v:
+        b = uint64(0x7FC00000)
+    else:
+        b = uint64(f32_bits(v + float32(0)))
+    o = (b ^ uint64(_LOW)) if (b & uint64(_SIGN)) != 0 else (b | uint64(_SIGN))
+    return (o << uint64(32)) | (uint64(_LOW) - uint64(i))
+
+
+@device
+def key_value(k):
+    """The float32 of key ``k`` (NaN as the canonical quiet NaN)."""
+    o = k >> uint64(32)
+    b = (o & uint64(0x7FFFFFFF)) if (o & uint64(_SIGN)) != 0 else (o ^ uint64(_LOW))
+    return bits_f32(uint32(b))
+
+
+@device
+def key_index(k):
+    return int64(uint64(_LOW) - (k & uint64(_LOW)))
+
+
+@device
+def umax(a, b):
+    return b if b > a else a
+
+
+if SIM:
+    @functools.cache
+    def group_max_u64(width):
+        @cuda.jit(device=True)
+        def reduce(k):
+            sm = cuda.shared.array(1024, uint64)
+            t = cuda.threadIdx.x
+            cuda.syncthreads()
+            sm[t] = k
+            cuda.syncthreads()
+            base = t & ~(width - 1)
+            acc = sm[base]
+            for j in range(1, width):
+                acc = umax(acc, sm[base + j])
+            cuda.syncthreads()
+            return acc
+
+        return reduce
+
+    @cuda.jit(device=True)
+    def group_top2_u64(a, b, width):
+        sa = cuda.shared.array(1024, uint64)
+        sb = cuda.shared.array(1024, uint64)
+        t = cuda.threadIdx.x
+        cuda.syncthreads()
+        sa[t], sb[t] = a, b
+        cuda.syncthreads()
+        base = t & ~(width - 1)
+        f, s = uint64(0), uint64(0)
+        for j in range(width):
+            for x in (sa[base + j], sb[base + j]):
+                if x > f:
+                    f, s = x, f
+                elif x > s:
+                    s = x
+        cuda.syncthreads()
+        return f, s
+
+    @cuda.jit(device=True)
+    def lane_broadcast(v, src):
+        sm = cuda.shared.array(1024, float32)
+        t = cuda.threadIdx.x
+        cuda.syncthreads()
+        sm[t] = v
+        cuda.syncthreads()
+        r = sm[(t & ~31) + src]
+        cuda.syncthreads()
+        return r
+else:
+    @functools.cache
+    def group_max_u64(width):
+        offsets = tuple(1 << k for k in reversed(range(int(math.log2(width)))))
+
+        @cuda.jit(device=True)
+        def reduce(k):
+            for off in offsets:
+                k = umax(k, uint64(cuda.shfl_xor_sync(FULL_MASK, int64(k), off)))
+            return k
+
+        return reduce
+
+    @cuda.jit(device=True)
+    def group_top2_u64(a, b, width):
+        """``(a, b)``, ``a >= b``, this lane's two largest keys: the two largest of its aligned
+        group of ``width`` lanes (a power of two <= 32, known at run time)."""
+        off = width >> 1
+        while off > 0:
+            c = uint64(cuda.shfl_xor_sync(FULL_MASK, int64(a), off))  # 64-bit shuffles move ints
+            d = uint64(cuda.shfl_xor_sync(FULL_MASK, int64(b), off))
+            if c > a:  # the larger first; the second is the larger of the rest
+                b = umax(a, d)
+                a = c
+            else:
+                b = umax(b, c)
+            off >>= 1
+        return a, b
+
+    @cuda.jit(device=True)
+    def lane_broadcast(v, src):
+        return cuda.shfl_sync(FULL_MASK, v, src)
 
 
 block_sum64 = block_reduce(fadd, float64)   # float64 sum over the block
