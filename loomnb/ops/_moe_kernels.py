@@ -2,35 +2,38 @@
 bias, DeepSeek's grouped selection), the align-to-block sort, the row gather into expert order
 (optionally FP8-quantised), the weighted combine back, and vLLM's ``moe_sum``.
 
-**Routing** (:func:`route_kernel`): one warp a token. Lane ``l`` holds experts ``l + 32 v``
-(``v < spec.vpl``) in registers: the float32 scores ``p`` (softmax: ``e = expf(x - m)`` with
-the warp's NaN-ignoring max ``m``, a float64 warp sum ``S``, ``p = r32(e * r32(1 / S))``;
-sigmoid: ``r32(1 / r32(1 + expf(-x)))``) and the selection scores ``s = r32(p + bias)``.
-Grouped routing first scores each group (its best, or with a bias the sum of its best two)
-and keeps ``topk_group`` groups; then ``k`` rounds of a warp argmax (NaN largest, the lowest
-expert winning ties: :func:`~loomnb.ops._reduce.argmax_combine`) pick the experts. The owner
-lane of each pick puts its unbiased ``p`` in shared memory; after one barrier lane ``j`` writes
-pick ``j`` (renormalised by the float32 sum of the picks in order, then scaled). Products go
-through :func:`mul_rn` so no FMA contracts them.
+**Routing** (:func:`route_kernel`): one warp a token, no barrier. Lane ``l`` holds experts
+``l * VPL .. l * VPL + VPL - 1`` (``VPL = spec.vpl``) in registers: the float32 scores ``p``
+(softmax: ``e = expf(x - m)`` with the warp's NaN-ignoring max ``m``, a float64 warp sum
+``S``, ``p = r32(e * r32(1 / S))``; sigmoid: ``r32(1 / r32(1 + expf(-x)))``) and each
+candidate as an ordered key (:func:`~loomnb.ops._reduce.order_key`) of its selection score
+``s = r32(p + bias)`` and its index: NaN largest, the lowest expert winning ties. Grouped
+routing first scores each group (its best, or with a bias the sum of its best two: one
+butterfly over a group's lanes when a lane's experts share a group, else one warp pass a
+group) and keeps ``topk_group`` groups; then ``k`` rounds of a 64-bit warp max pick the
+experts, the owner lane clearing its key and broadcasting its unbiased ``p`` (lane ``j``
+keeps pick ``j``, renormalised by the float32 sum of the picks in order, then scaled).
+Products go through :func:`mul_rn` so no FMA contracts them.
 
 **Align** (:func:`align_kernel`, two passes over ``C`` chunks of the flat ``topk_ids``;
 one fused launch when ``C == 1``). Pass ``count``: thread block ``c`` counts its chunk's
 experts (shared-memory atomics: exact) into ``counts[c, :]``; the last block to finish (a
 ticket on the stream's split counters) sums the columns, pads each expert's count to the block
 size, scans them (``offsets``), and writes ``num_tokens_post_pad``, ``expert_ids`` (every
-block, the tail too) and the sentinel ``N`` at every position no token takes. Pass
+block; -1 past the segments) and the sentinel ``N`` at every position no token takes. Pass
 ``place``: block ``c`` starts expert ``e`` at ``offsets[e] + sum(counts[:c, e])`` and places
 its chunk in tiles of ``blockDim`` ids: an id's rank is the number of equal experts before it
-in its warp (a scan of the tile in shared memory) plus those of the earlier warps (per-warp
-counts), so every segment lists its flat indices in ascending order -- the same result at any
+in its warp (``match.any``) plus those of the earlier warps (per-warp counts in shared
+memory), so every segment lists its flat indices in ascending order -- the same result at any
 size, grid or thread count.
 
-**Rows** (:func:`rows_kernel`): thread block ``i`` handles rows ``i * spec.rows ..`` of an
-output; ``"permute"`` gathers ``hidden_states[sorted_token_ids[p] // topk]`` (zeros for a
-sentinel) as bits or as FP8 E4M3 codes with the row's dynamic per-token scale; ``"combine"``
-sums ``r32(w * f(y))`` of a token's ``k`` expert rows in float32 (``y`` found through the
-inverse map that :func:`inverse_kernel` scatters first); ``"sum"`` is ``moe_sum``. Rows are
-read as 16-byte units (``"vector"``) when every row allows, else element by element.
+**Rows** (:func:`rows_kernel`): a grid of ``(rows, splits)`` thread blocks, each a slice of
+one destination row; ``"permute"`` gathers ``hidden_states[sorted_token_ids[p] // topk]``
+(zeros for a sentinel) as bits, ``"permute_fp8"`` (one block a row) as FP8 E4M3 codes with the
+row's dynamic per-token scale; ``"combine"`` sums ``r32(w * f(y))`` of a token's ``k`` expert
+rows in float32 (``y`` found through the inverse map that :func:`inverse_kernel` scatters
+first, checked against ``sorted_token_ids``); ``"sum"`` is ``moe_sum``. Rows are read as
+16-byte units (``"vector"``) when every row allows, else element by element.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from ._fp8 import clamp_fp8, div_rn, scale_from_amax
 from ._reduce import (FULL_MASK, REDUCE_SCRATCH, block_max, block_scan, fadd, fmax_nan, fmaxf,
                       group_max_u64, group_reduce, group_top2_u64, key_index, key_value,
                       lane_broadcast, order_key, umax)
-from ._vector import CODECS, load_u32x2, load_u32x4, store_u32x2, store_u32x4
+from ._vector import CODECS, load_u32x4, store_u32x2, store_u32x4
 
 KINDS = ("bf16", "f16", "f32")
 SCORES = ("softmax", "sigmoid")
@@ -67,7 +70,6 @@ KEEP = 2                 # units an FP8 permute thread keeps in registers (the r
 _BUF_N = CHUNK * 8       # a row thread's staged values
 _CNT_N = MAX_EXPERTS + 1           # shared counts / offsets of the align
 _WC_N = ALIGN_WARPS * MAX_EXPERTS  # shared per-warp counts of the align
-BIG = 1 << 30            # the index of "no candidate" (loses every tie)
 
 NEG_INF = float32(-np.inf)
 ZERO = float32(0)

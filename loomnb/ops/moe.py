@@ -86,19 +86,12 @@ def _route(op, spec, ga, ba, wa, ia, ta, k, groups, topk_group, scale, flags, st
     M, E = ga.shape
     if M == 0:
         return
-    warps = min(ROUTE_WARPS, M)
-    threads = min(L.forced_threads() or 32 * warps, 32 * ROUTE_WARPS)
-    warps = threads // 32
+    threads = min(L.forced_threads() or 32 * min(ROUTE_WARPS, M), 32 * ROUTE_WARPS)
     params = [L.array(ga), L.array(ba) if ba is not None else L.absent("float32", 1),
               L.array(wa), L.array(ia), L.array(ta) if ta is not None else L.absent("int32", 2),
               L.i64(E), L.i64(k), L.i64(groups), L.i64(topk_group), L.f32(scale), L.i64(flags)]
-    L.launch(route_kernel, spec, -(-M // warps), threads, params, like=ga, stream=stream, key=key,
-             warm=lambda: _route_siblings(spec))
-
-
-def _route_siblings(spec):
-    """Another batch size routes with the same kernel: nothing to warm."""
-    return ()
+    L.launch(route_kernel, spec, -(-M // (threads // 32)), threads, params, like=ga,
+             stream=stream, key=key)
 
 
 def _fake_route3(gating_output, topk, *_, **__):
@@ -484,7 +477,7 @@ def _words(a, vec):
     return L.array(a, words=True) if vec else L.array(a)
 
 
-def _fp8_words(a, vec, kind):
+def _fp8_words(a, vec):
     """An FP8 output ``[rows, H]`` as uint32 words (vector) or uint8 codes."""
     if not vec:
         return L.ArrayParam(a, a.ptr, a.shape, a.strides, "uint8")
@@ -573,7 +566,7 @@ def moe_permute(hidden_states, sorted_token_ids, topk, quant_dtype="none", scale
         vec = _vector([(ha, 16), (oa, unit_out)], H, ha.kind)
         spec = RowsSpec(ha.kind, "permute_fp8", "vector" if vec else "scalar",
                         scale_ub=ua is not None)
-        dst = _fp8_words(oa, vec, ha.kind)
+        dst = _fp8_words(oa, vec)
     units = H // ROW_UNITS[ha.kind] if vec else H
     params = [dst, _words(ha, vec), L.array(sa), L.absent("int32", 1), L.absent("float32", 2),
               L.array(sc),  # [0, 1] without quantisation: a replay allocates it too

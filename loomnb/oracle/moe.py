@@ -17,14 +17,14 @@ operation (NumPy float32 arithmetic never fuses). ``exp32(x) = r32(exp(float64(x
   then ``r32(w * r32(routed_scaling_factor))``;
 * ``moe_align_block_size``: per expert the flat indices ``i`` of ``topk_ids`` (ascending),
   padded with ``N = topk_ids.size`` to a multiple of ``block_size``, experts back to back in
-  ascending order, ids outside ``[0, E)`` dropped; ``expert_ids`` one entry a block (0 past
-  the end, then ``expert_map``);
+  ascending order, ids outside ``[0, E)`` dropped; ``expert_ids`` one entry a block
+  (``expert_map[e]`` with a map; -1 past the segments);
 * ``moe_permute``: ``out[p] = x[sorted_token_ids[p] // k]`` (bits), zeros for padding; FP8:
   :func:`~loomnb.oracle.activation.dynamic_per_token_scaled_fp8_quant` of those rows;
 * ``moe_unpermute``: ``out[t] = r(acc)``, ``acc = r32(acc + r32(w[t, j] * f(y[pos(t*k + j)])))``
   for ``j = 0..k-1`` from ``acc = 0`` (a flat index found nowhere adds nothing);
 * ``moe_sum``: ``k`` in 2..4: ``x = r(f(x) + f(in_j))`` from ``x = r(0)`` (a rounding every
-  add); other ``k``: ``r(float32 sum over j from 0)``; ``k = 1`` a copy.
+  add); other ``k`` (1 too): ``r(float32 sum over j from +0.0)``.
 
 Arguments are NumPy arrays (bf16 as ``ml_dtypes.bfloat16``, FP8 as ``uint8`` codes or
 ``ml_dtypes.float8_e4m3fn``); results are NumPy (weights float32, ids int32). ``out``-style
