@@ -8,7 +8,8 @@ assumptions change. What we rely on:
    packed conversions ``cvt.rn.bf16x2.f32``, ``cvt.rn.f16x2.f32``,
    ``cvt.rn.satfinite.e4m3x2.f32``, ``cvt.rn.f16x2.e4m3x2`` and ``cvt.f32.f16``, and 16-byte vector loads/stores
    (``ld.global.v4.u32``, ``v2``) on 1-D ``uint32`` row views. Each has a portable twin in
-   :mod:`loomnb.layouts.dtypes`, and a GPU test proves them bit-identical.
+   :mod:`loomnb.layouts.dtypes`, and a GPU test proves them bit-identical. Also the warp
+   reduction ``redux.sync.max.u32`` (its simulator twin is in :mod:`loomnb.ops._reduce`).
 2. **The kernel parameter ABI** (``_Kernel._prepare_args``): a kernel argument of type
    ``Array(dtype, ndim)`` becomes ``5 + 2*ndim`` parameters (meminfo, parent, nitems, itemsize,
    data, shape..., strides-in-bytes...), each 8 bytes; ``float32`` is 4 bytes, ``int64`` 8.
@@ -142,6 +143,19 @@ if not SIM:
             return sig, codegen
 
         return store
+
+    @intrinsic
+    def redux_max_u32(typingctx, v):
+        """The largest of ``v`` over the full warp, in every lane (``redux.sync.max.u32``,
+        sm_80+: one instruction for a 5-step shuffle butterfly). Every lane must call it."""
+        sig = types.uint32(types.uint32)
+
+        def codegen(context, builder, sig, args):
+            fn = ir.InlineAsm(ir.FunctionType(_i32, [_i32]),
+                              "redux.sync.max.u32 $0, $1, 0xffffffff;", "=r,r", side_effect=True)
+            return builder.call(fn, args)
+
+        return sig, codegen
 
     load_u32x4 = _make_load(4)
     load_u32x2 = _make_load(2)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import loomnb
+from loomnb.ops import _moe_kernels as MOEK
 from loomnb.ops import moe as MOE
 
 from family import assert_bits, block_size_sweep, call_both
@@ -187,6 +188,18 @@ def test_permute_fp8(kind, H, ub):
     compare(got, want, f"{kind} H={H}")
 
 
+def test_permute_fp8_long_rows():
+    """Rows longer than the KEEP units a lane holds (the rest re-read), and a block's last warp
+    past the last row (it takes part in nothing it stores)."""
+    rng = np.random.default_rng(15)
+    sorted_ids = np.array([3, 0, 4], np.int32)  # token 1, token 0, a sentinel (N = 4)
+    H = 8 * (32 * MOEK.KEEP["bf16"] + 5)
+    h = (rng.standard_normal((2, H)) * 3).astype(BF16)
+    h[1, H - 1] = 40.0  # the amax in the re-read part
+    got, want, _, _ = call_both("moe_permute", h, sorted_ids, 2, "fp8")
+    compare(got, want, "long rows")
+
+
 @pytest.mark.parametrize("kind", ["bf16", "f16", "f32"])
 @pytest.mark.parametrize("H", [16, 10])
 def test_unpermute(kind, H):
@@ -200,7 +213,7 @@ def test_unpermute(kind, H):
 
 
 @pytest.mark.parametrize("kind", ["bf16", "f16", "f32"])
-@pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8, 10])  # 10: two rounds of 8 rows
 def test_moe_sum(kind, k):
     rng = np.random.default_rng(12)
     x = rng.standard_normal((3, k, 16)).astype(DT[kind])

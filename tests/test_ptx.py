@@ -140,18 +140,22 @@ def _kv_blocks_checks(spec, ptx):
 
 
 def _moe_checks(spec, ptx):
-    """Routing reduces over the warp by shuffles and needs no barrier (one warp a token); the
-    align's passes use shared-memory atomics
-    and barriers; the row kernels move 16 bytes an instruction on the vector layout, and the
-    combine and moe_sum never contract a product and a sum into an FMA (the oracle's order)."""
+    """Routing reduces over the warp by shuffles and ``redux.sync`` and needs no barrier (one
+    warp a token); the align's count uses shared-memory atomics, its place ballot ranks; the row
+    kernels move 16 bytes an instruction on the vector layout, and the combine and moe_sum never
+    contract a product and a sum into an FMA (the oracle's order)."""
     name = type(spec).__name__
     if name == "RouteSpec":
         assert "shfl.sync.bfly.b32" in ptx and "bar.sync" not in ptx
+        assert "redux.sync.max.u32" in ptx, "the k rounds' warp max of keys"
         assert "shfl.sync.idx.b32" in ptx, "the picked expert's weight from its lane"
     elif name == "AlignSpec":
-        assert "bar.sync" in ptx and "atom.shared.add" in ptx
+        assert "bar.sync" in ptx
         if spec.part == "count":
-            assert "atom.global.inc.u32" in ptx, "the last block's ticket"
+            assert "atom.shared.add" in ptx and "atom.global.inc.u32" in ptx, "the last block's ticket"
+        else:
+            assert "vote.sync.ballot.b32" in ptx and "match.any" not in ptx, "ballot ranks"
+            assert "atom.shared" not in ptx, "ranks from per-warp counts, not atomics"
     elif name == "RowsSpec":
         if spec.layout == "vector":
             assert "ld.v4." in ptx or "ld.global.v4." in ptx, "vector loads"

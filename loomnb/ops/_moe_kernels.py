@@ -51,7 +51,7 @@ from ..layouts.dtypes import f32_to_e4m3, pack_e4m3x2
 from . import _launch as L
 from ._activation_kernels import expf
 from ._fp8 import clamp_fp8, div_rn, scale_from_amax
-from ._reduce import (FULL_MASK, REDUCE_SCRATCH, block_max, block_scan, fadd, fmax_nan, fmaxf,
+from ._reduce import (FULL_MASK, REDUCE_SCRATCH, block_scan, fadd, fmax_nan, fmaxf,
                       group_max_u64, group_reduce, group_top2_u64, key_index, key_value,
                       lane_broadcast, order_key, umax)
 from ._vector import CODECS, load_u32x4, store_u32x2, store_u32x4
@@ -62,20 +62,32 @@ ROUTE_WARPS = 4          # tokens (warps) a routing thread block handles
 MAX_EXPERTS = 1024
 MAX_TOPK = 32
 VPLS = (1, 2, 4, 8, 16, 32)  # experts a lane holds: ceil(E / 32) rounded up to a power of two
-ALIGN_THREADS = 256
-ALIGN_WARPS = ALIGN_THREADS // 32
+ALIGN_MAX_THREADS = 512  # (the place pass needs up to 128 registers a thread)
+ALIGN_PER = 8            # flat ids an align thread holds in registers
 ROW_UNITS = {"bf16": 8, "f16": 8, "f32": 4}  # elements of a 16-byte unit
-CHUNK = 4                # expert rows a combine / moe_sum thread loads before it adds them
-KEEP = 2                 # units an FP8 permute thread keeps in registers (the rest re-read)
-_BUF_N = CHUNK * 8       # a row thread's staged values
+ROW_SLOTS = 8            # units a combine / moe_sum thread loads before it adds them
+CHS = (2, 4, 8)          # a token's expert rows loaded at once (ROW_SLOTS // ch tokens a thread)
+PERMUTE_UPT = 4          # destination rows a permute thread copies (a unit of each)
+KEEP = {"bf16": 8, "f16": 4, "f32": 8}  # units an FP8 permute lane keeps in registers (the
+# rest re-read; fp16's conversions make 8 too long a loop to unroll, and its arrays would spill)
+FP8_WARPS = 4            # rows (one a warp) of an FP8 permute block
+_SPARE = ROW_SLOTS       # the slot an FP8 permute lane re-reads its units past KEEP into
+_WB_N = 4 * (ROW_SLOTS + 1)  # a row thread's staged words (the slots and the spare)
+_FB_N = ROW_SLOTS + 1    # its staged values in the scalar layout
+_ACC_N = 4 * 8           # a row thread's float32 sums: PERMUTE_UPT or ROW_SLOTS // 2 tokens x 8
 _CNT_N = MAX_EXPERTS + 1           # shared counts / offsets of the align
-_WC_N = ALIGN_WARPS * MAX_EXPERTS  # shared per-warp counts of the align
+_WC_N = 8192             # shared per-warp counts of the align: warps * num_experts at most
 
 NEG_INF = float32(-np.inf)
 ZERO = float32(0)
 ONE = float32(1)
 
 if SIM:
+    @device
+    def popc32(x):
+        """The set bits of a uint32."""
+        return bin(int(x) & 0xFFFFFFFF).count("1")
+
     @device
     def mul_rn(a, b):
         """``r32(a * b)``, never contracted into an FMA."""
@@ -84,9 +96,20 @@ else:
     from numba.cuda import libdevice
 
     @device
+    def popc32(x):
+        """The set bits of a uint32 (``popc.b32``)."""
+        return cuda.popc(x)
+
+    @device
     def mul_rn(a, b):
         """``r32(a * b)`` (``__fmul_rn``), never contracted into an FMA."""
         return libdevice.fmul_rn(a, b)
+
+
+@device
+def token_of(sid, topk):
+    """``sid // topk`` for a valid flat index (``0 <= sid < 2**31``): a 32-bit division."""
+    return int64(uint32(sid) // uint32(topk))
 
 
 def vpl_for(num_experts):
@@ -268,12 +291,23 @@ def align_argtypes(spec):
             a("int32", 1), a("int32", 1), a("uint32", 1), i, i, i, i, i, i)
 
 
+def align_warps(num_experts):
+    """Warps an align block may have: its per-warp counts (``warps * num_experts``) fit
+    ``_WC_N`` shared entries."""
+    return max(1, min(ALIGN_MAX_THREADS // 32, _WC_N // num_experts))
+
+
 def align_kernel(spec):
     """``(ids, emap, sorted_ids, expert_ids, post_pad, counts, offsets, counters, N, E, bs,
-    L, chunk, bshift)``: thread block ``c`` owns flat ids ``[c * chunk, (c + 1) * chunk)``;
-    ``bshift = log2(bs)`` when ``bs`` is a power of two (else -1: divisions). Loops are
-    ``while`` loops and the warp rank a ``match.any``: a 64-bit division (a range's trip count,
-    an index by ``bs``) costs ~100 instructions, and these kernels are latency-bound."""
+    L, chunk, bshift)``: thread block ``c`` owns flat ids ``[c * chunk, (c + 1) * chunk)``,
+    ``chunk <= ALIGN_PER * blockDim``; warp ``w`` holds ``ALIGN_PER`` runs of 32 of them in
+    registers (from ``c * chunk + w * 32 * ALIGN_PER``). ``bshift = log2(bs)`` when ``bs`` is
+    a power of two (else -1: divisions). Every position first takes the sentinel ``N`` (a
+    coalesced fill, as vLLM's kernel); the place then writes each id at ``start[e]`` + the ids of
+    expert ``e`` in earlier warps (a scan of shared per-warp counts) + those earlier in its warp
+    (a ballot match and a warp-synchronous running count): two barriers a block, whatever its
+    chunk. Loops are ``while`` loops: a 64-bit division (a range's trip count, an index by
+    ``bs``) costs ~100 instructions, and these kernels are latency-bound."""
     PART, MAP = spec.part, spec.emap
     scan = block_scan(int32)
 
@@ -287,10 +321,17 @@ def align_kernel(spec):
         return e if (e >= 0 and e < E) else int64(-1)
 
     @device
-    def prefix(tot, offs_sh, scratch, emap, sorted_ids, expert_ids, post_pad, offsets, N, E,
-               bs, bshift, Lt, tid, nt):
-        """Padded counts -> offsets (shared and, for the place pass, global), the padding
-        sentinels, expert_ids and num_tokens_post_pad. ``tot[e]``: expert e's count."""
+    def warp_sync():
+        if SIM:
+            cuda.syncthreads()  # the simulator's threads are never warp-synchronous
+        else:
+            cuda.syncwarp(FULL_MASK)
+
+    @device
+    def prefix(tot, offs_sh, scratch, emap, expert_ids, post_pad, offsets, E, bs, bshift, Lt,
+               tid, nt):
+        """Padded counts -> offsets (shared and, for the place pass, global), expert_ids and
+        num_tokens_post_pad. ``tot[e]``: expert e's count. ``offs_sh`` is complete on return."""
         carry = int32(0)
         base = int64(0)
         while base < E:
@@ -318,66 +359,41 @@ def align_kernel(spec):
             while b * bs < hi:
                 expert_ids[b] = val
                 b += 1
-            q = lo + tot[e]
-            while q < hi:
-                sorted_ids[q] = int32(N)
-                q += 1
             e += nt
-        total = int64(carry)
-        b = div_bs(total, bs, bshift) + tid
+        b = div_bs(int64(carry), bs, bshift) + tid
         while b * bs < Lt:
             expert_ids[b] = -1
             b += nt
-        q = total + tid
-        while q < Lt:
-            sorted_ids[q] = int32(N)
-            q += nt
 
     @device
-    def warp_rank(te, e, tid, nt):
-        """``(rank, count)``: the lanes of this warp before this one holding expert ``e``, and
-        all of them (``match.any`` on the GPU; the tile in shared memory in the simulator)."""
-        lane = tid & 31
+    def warp_matches(eid, mk, te, tid, E):
+        """``mk[t]``: the lanes of this warp whose id ``t`` equals this lane's (``eid[t]``, -1
+        for none). On the GPU one ballot a bit of the id (``e``, or ``E`` for none), the
+        ``ALIGN_PER`` ids' ballots of a bit issued together (``match.any`` serialises over the
+        distinct values: ~10x slower on a warp of distinct experts). In the simulator: the
+        warp's ids in shared memory (every thread calls this together)."""
         if SIM:
             w = tid >> 5
-            r, cw = int64(0), int64(0)
-            for q in range(32):
-                if w * 32 + q < nt and te[w * 32 + q] == e:
-                    cw += 1
-                    if q < lane:
-                        r += 1
-            return r, cw
-        m = cuda.match_any_sync(FULL_MASK, int32(e))
-        return int64(cuda.popc(m & ((uint32(1) << uint32(lane)) - uint32(1)))), int64(cuda.popc(m))
-
-    @device
-    def place(ids, sorted_ids, run, te, wc, lo, hi, E, tid, nt):
-        """Flat ids ``[lo, hi)`` to their positions, experts starting at ``run[e]``."""
-        w = tid >> 5
-        base = lo
-        while base < hi:
-            i = base + tid
-            e = expert_of(ids, i, hi, E)
-            if SIM:
-                te[tid] = int32(e)
+            for t in range(ALIGN_PER):
+                te[tid] = eid[t]
                 cuda.syncthreads()
-            r, cw = warp_rank(te, e, tid, nt)
-            lead = e >= 0 and r == 0
-            if lead:
-                wc[w * E + e] = int32(cw)
-            cuda.syncthreads()
-            if e >= 0:
-                pos = int64(run[e]) + r
-                for w2 in range(w):
-                    pos += wc[w2 * E + e]
-                sorted_ids[pos] = int32(i)
-            cuda.syncthreads()
-            if lead:
-                cuda.atomic.add(run, e, int32(cw))
-            cuda.syncthreads()
-            if lead:
-                wc[w * E + e] = 0
-            base += nt
+                m = 0
+                for q in range(32):
+                    if te[w * 32 + q] == eid[t]:
+                        m |= 1 << q
+                mk[t] = uint32(m)
+                cuda.syncthreads()
+            return
+        for t in range(ALIGN_PER):
+            mk[t] = uint32(FULL_MASK)
+        b = uint32(0)
+        while (int64(1) << b) <= E:
+            for t in range(ALIGN_PER):
+                e = eid[t]
+                bit = ((uint32(e if e >= 0 else E) >> b) & uint32(1)) != 0
+                bal = uint32(cuda.ballot_sync(FULL_MASK, bit))
+                mk[t] &= bal if bit else ~bal
+            b += uint32(1)
 
     @device
     def column_sum(counts, e, E, n):
@@ -407,30 +423,31 @@ def align_kernel(spec):
         cnt = cuda.shared.array(_CNT_N, int32)
         offs_sh = cuda.shared.array(_CNT_N, int32)
         scratch = cuda.shared.array(REDUCE_SCRATCH, int32)
-        te = cuda.shared.array(ALIGN_THREADS, int32)
+        te = cuda.shared.array(ALIGN_MAX_THREADS, int32)
         wc = cuda.shared.array(_WC_N, int32)
         last = cuda.shared.array(1, int32)
+        eid = cuda.local.array(ALIGN_PER, int32)
+        off = cuda.local.array(ALIGN_PER, int32)
+        mk = cuda.local.array(ALIGN_PER, uint32)
+        lane, w, nw = tid & 31, tid >> 5, nt >> 5
         lo = c * chunk
         hi = min(N, lo + chunk)
-        if PART == "place":
-            e = tid
-            while e < E:
-                cnt[e] = int32(int64(offsets[e]) + column_sum(counts, e, E, c))
-                e += nt
-            zero(wc, (nt >> 5) * E, tid, nt)
-            cuda.syncthreads()
-            place(ids, sorted_ids, cnt, te, wc, lo, hi, E, tid, nt)
-            return
-        zero(cnt, E, tid, nt)
-        cuda.syncthreads()
-        i = lo + tid
-        while i < hi:
-            e = expert_of(ids, i, hi, E)
-            if e >= 0:
-                cuda.atomic.add(cnt, e, 1)
-            i += nt
-        cuda.syncthreads()
+        first = lo + w * (32 * ALIGN_PER) + lane
+        for t in range(ALIGN_PER):  # every load in flight at once
+            eid[t] = int32(expert_of(ids, first + t * 32, hi, E))
+        if PART != "place":  # the sentinel everywhere (the count pass: all blocks together)
+            q = c * nt + tid
+            step = nt * int64(cuda.gridDim.x)
+            while q < Lt:
+                sorted_ids[q] = int32(N)
+                q += step
         if PART == "count":
+            zero(cnt, E, tid, nt)
+            cuda.syncthreads()
+            for t in range(ALIGN_PER):
+                if eid[t] >= 0:
+                    cuda.atomic.add(cnt, eid[t], 1)
+            cuda.syncthreads()
             e = tid
             while e < E:
                 counts[c * E + e] = cnt[e]
@@ -449,16 +466,46 @@ def align_kernel(spec):
                 cnt[e] = int32(column_sum(counts, e, E, int64(cuda.gridDim.x)))
                 e += nt
             cuda.syncthreads()
-        prefix(cnt, offs_sh, scratch, emap, sorted_ids, expert_ids, post_pad, offsets, N, E, bs,
-               bshift, Lt, tid, nt)
+            prefix(cnt, offs_sh, scratch, emap, expert_ids, post_pad, offsets, E, bs, bshift,
+                   Lt, tid, nt)
+            return
+        zero(wc, nw * E, tid, nt)
+        cuda.syncthreads()
+        warp_matches(eid, mk, te, tid, E)
+        below = (uint32(1) << uint32(lane)) - uint32(1)
+        for t in range(ALIGN_PER):  # ranks within the warp's runs (warp-synchronous counts)
+            e = int64(eid[t])
+            r, cw = int64(popc32(mk[t] & below)), int64(popc32(mk[t]))
+            pre = int64(0)
+            if e >= 0:
+                pre = int64(wc[w * E + e])
+            warp_sync()
+            if e >= 0 and r == 0:
+                wc[w * E + e] = int32(pre + cw)
+            warp_sync()
+            off[t] = int32(pre + r)
+        cuda.syncthreads()
+        e = tid
+        while e < E:  # per-warp counts -> each warp's start relative to the block's (and total)
+            run = int32(0)
+            for w2 in range(nw):
+                v = wc[w2 * E + e]
+                wc[w2 * E + e] = run
+                run += v
+            if PART == "fused":
+                cnt[e] = run
+            else:
+                offs_sh[e] = int32(int64(offsets[e]) + column_sum(counts, e, E, c))
+            e += nt
+        cuda.syncthreads()
         if PART == "fused":
-            e = tid
-            while e < E:
-                cnt[e] = offs_sh[e]
-                e += nt
-            zero(wc, (nt >> 5) * E, tid, nt)
-            cuda.syncthreads()
-            place(ids, sorted_ids, cnt, te, wc, lo, hi, E, tid, nt)
+            prefix(cnt, offs_sh, scratch, emap, expert_ids, post_pad, offsets, E, bs, bshift,
+                   Lt, tid, nt)
+        for t in range(ALIGN_PER):
+            e = int64(eid[t])
+            if e >= 0:
+                p = int64(offs_sh[e]) + int64(wc[w * E + e]) + int64(off[t])
+                sorted_ids[p] = int32(first + t * 32)
 
     kernel.__name__ = f"moe_align_{spec.part}_{spec.ids}{'_map' if MAP else ''}"
     return kernel
@@ -472,10 +519,23 @@ class RowsSpec:
     layout: str = "vector"  # "vector" (16-byte units) or "scalar"
     round_each: bool = False  # "sum": round every add to the dtype (vLLM's kernel, k = 2..4)
     scale_ub: bool = False  # "permute_fp8": a scale_ub given
+    ch: int = ROW_SLOTS     # "combine" / "sum": expert rows of a token loaded at once (CHS)
 
     def __post_init__(self):
         assert self.kind in KINDS and self.layout in ("vector", "scalar")
-        assert self.op in ("permute", "permute_fp8", "combine", "sum")
+        assert self.op in ("permute", "permute_fp8", "combine", "sum") and self.ch in CHS
+
+    @property
+    def upt(self):
+        """Destination rows a thread writes (one unit of each)."""
+        if self.layout == "scalar" or self.op == "permute_fp8":
+            return 1
+        return PERMUTE_UPT if self.op == "permute" else ROW_SLOTS // self.ch
+
+
+def ch_for(topk):
+    """Expert rows a combine / moe_sum thread loads at once for ``topk``."""
+    return next((c for c in CHS if c >= topk), CHS[-1])
 
 
 def rows_argtypes(spec):
@@ -495,16 +555,17 @@ def rows_argtypes(spec):
 
 
 def rows_kernel(spec):
-    """One thread block a slice of a destination row: row ``blockIdx.x``, units ``blockIdx.y *
-    blockDim.x + threadIdx.x + q * gridDim.y * blockDim.x``. ``permute``: ``dst[p] =
-    src[idx[p] // topk]`` as bits (a zero row where ``idx[p]`` is not below ``N``);
-    ``permute_fp8`` (one block a row: ``gridDim.y == 1``): the same row as E4M3 codes and its
-    per-token scale in ``scales[p, 0]``, the first ``KEEP`` units a thread held in registers
-    between the amax and the quantisation; ``combine``: ``dst[t] = r(sum_j r32(w[t, j] *
-    f(src[idx[t * topk + j]])))`` (``idx``: the inverse map; an entry whose ``idx2`` does not
-    point back adds nothing); ``sum``: ``dst[t] = moe_sum(src[t])``. ``H``: elements of a row.
-    The ``topk`` rows of a unit are loaded ``CHUNK`` at a time before any is added (loads in
-    flight), and added in order."""
+    """Row movement, one unit (16 bytes, or an element in the scalar layout) of ``upt``
+    destination rows a thread: rows ``blockIdx.x * upt + q``, unit ``blockIdx.y * blockDim.x +
+    threadIdx.x``; every load of a thread is issued before the first is used. ``permute``:
+    ``dst[p] = src[idx[p] // topk]`` as bits (a zero row where ``idx[p]`` is not below ``N``);
+    ``permute_fp8`` (one warp a row, ``blockDim / 32`` rows a block, no barrier): the same row
+    as E4M3 codes and its per-token scale in ``scales[p, 0]`` (a warp amax), the first ``KEEP``
+    units of a lane held in registers between the amax and the quantisation; ``combine``:
+    ``dst[t] = r(sum_j r32(w[t, j] * f(src[idx[t * topk + j]])))`` (``idx``: the inverse map;
+    an entry whose ``idx2`` does not point back adds nothing); ``sum``: ``dst[t] =
+    moe_sum(src[t])``. ``H``: elements of a row. A token's ``topk`` rows are loaded ``ch`` at
+    a time (``ROW_SLOTS`` loads in flight with its ``upt`` tokens) and added in ``j`` order."""
     OP, VEC, KIND = spec.op, spec.layout == "vector", spec.kind
     codec = CODECS[KIND]
     dec, enc, rnd = codec.decode, codec.encode, codec.rnd
@@ -513,147 +574,188 @@ def rows_kernel(spec):
     F32 = KIND == "f32"
     ROUND_EACH = spec.round_each
     UB = spec.scale_ub
-    CH = CHUNK
+    CH, UPT, KEEP_U = spec.ch, spec.upt, KEEP[KIND]
+    wmax = group_reduce(fmaxf, 32)
 
     @device
-    def load(row, u, vals, o):
-        """Unit (element) ``u`` of ``row`` into ``vals[o:o+U]`` as float32."""
-        if not VEC:
-            vals[o] = dec(row[u])
-        elif F32:
+    def take(row, u, wb, o, fb, k):
+        """Unit ``u`` of ``row``: four words into ``wb[o:o+4]`` (vector) or one value into
+        ``fb[k]``."""
+        if VEC:
             w = load_u32x4(row, u << 2)
-            for q in range(4):
-                vals[o + q] = _bits_f32(w[q])
+            for m in range(4):
+                wb[o + m] = w[m]
         else:
-            w = load_u32x4(row, u << 2)
-            for q in range(4):
-                lo, hi = unpack(w[q])
-                vals[o + 2 * q] = lo
-                vals[o + 2 * q + 1] = hi
+            fb[k] = dec(row[u])
 
     @device
-    def store(row, u, vals):
+    def value(wb, o, fb, k, c):
+        """Element ``c`` of the unit taken into slot ``k`` (words from ``o``), as float32."""
         if not VEC:
-            row[u] = enc(vals[0])
+            return fb[k]
+        if F32:
+            return _bits_f32(wb[o + c])
+        lo, hi = unpack(wb[o + (c >> 1)])
+        return hi if (c & 1) else lo
+
+    @device
+    def store(row, u, vals, o):
+        if not VEC:
+            row[u] = enc(vals[o])
         elif F32:
-            store_u32x4(row, u << 2, (_f32_bits(vals[0]), _f32_bits(vals[1]),
-                                      _f32_bits(vals[2]), _f32_bits(vals[3])))
+            store_u32x4(row, u << 2, (_f32_bits(vals[o]), _f32_bits(vals[o + 1]),
+                                      _f32_bits(vals[o + 2]), _f32_bits(vals[o + 3])))
         else:
-            store_u32x4(row, u << 2, (pack(vals[1], vals[0]), pack(vals[3], vals[2]),
-                                      pack(vals[5], vals[4]), pack(vals[7], vals[6])))
+            store_u32x4(row, u << 2, (pack(vals[o + 1], vals[o]), pack(vals[o + 3], vals[o + 2]),
+                                      pack(vals[o + 5], vals[o + 4]), pack(vals[o + 7], vals[o + 6])))
 
     @device
-    def store_fp8(row, u, vals, o):
-        """``U`` FP8 codes of ``vals[o:o+U]`` (already divided and clamped) at element ``u * U``."""
+    def store_fp8(row, u, vals):
+        """``U`` FP8 codes of ``vals[0:U]`` (already divided and clamped) at element ``u * U``."""
         if not VEC:
-            row[u] = f32_to_e4m3(vals[o])
+            row[u] = f32_to_e4m3(vals[0])
         else:
-            w0 = uint32((int(pack_e4m3x2(vals[o + 3], vals[o + 2])) << 16)
-                        | int(pack_e4m3x2(vals[o + 1], vals[o])))
+            w0 = uint32((int(pack_e4m3x2(vals[3], vals[2])) << 16) | int(pack_e4m3x2(vals[1], vals[0])))
             if U == 8:
-                w1 = uint32((int(pack_e4m3x2(vals[o + 7], vals[o + 6])) << 16)
-                            | int(pack_e4m3x2(vals[o + 5], vals[o + 4])))
+                w1 = uint32((int(pack_e4m3x2(vals[7], vals[6])) << 16)
+                            | int(pack_e4m3x2(vals[5], vals[4])))
                 store_u32x2(row, u << 1, (w0, w1))
             else:
                 row[u] = w0
 
     def kernel(dst, src, idx, idx2, weights, scales, scale_ub, H, topk, N):
-        buf = cuda.local.array(_BUF_N, float32)
-        acc = cuda.local.array(8, float32)
-        pos = cuda.local.array(CHUNK, int64)
-        wts = cuda.local.array(CHUNK, float32)
-        sm = cuda.shared.array(REDUCE_SCRATCH, float32)
-        r = int64(cuda.blockIdx.x)
+        wb = cuda.local.array(_WB_N, uint32)
+        fb = cuda.local.array(_FB_N, float32)
+        acc = cuda.local.array(_ACC_N, float32)
+        pos = cuda.local.array(ROW_SLOTS, int64)
+        wts = cuda.local.array(ROW_SLOTS, float32)
         tid, nt = int64(cuda.threadIdx.x), int64(cuda.blockDim.x)
-        step = nt * int64(cuda.gridDim.y)
-        first = int64(cuda.blockIdx.y) * nt + tid
+        R = int64(dst.shape[0])
         nu = H // U
-        orow = dst[r]
-        if OP == "permute" or OP == "permute_fp8":
+        if OP == "permute_fp8":
+            lane = tid & 31
+            r = int64(cuda.blockIdx.x) * (nt >> 5) + (tid >> 5)
+            live = r < R
+            if not live:  # every lane takes part in the warp amax: the last row again, unstored
+                r = R - 1
             sid = int64(idx[r])
             valid = sid >= 0 and sid < N
-            ri = sid // topk
-            if OP == "permute":  # bits: words (vector) or storage elements, never converted
-                for u in range(first, nu, step):
-                    if VEC:
-                        w = load_u32x4(src[ri], u << 2) if valid else (uint32(0), uint32(0),
-                                                                       uint32(0), uint32(0))
-                        store_u32x4(orow, u << 2, w)
-                    elif valid:
-                        orow[u] = src[ri, u]
-                    else:
-                        orow[u] = 0
-                return
+            ri = token_of(sid, topk) if valid else int64(0)
             amax = ZERO
-            for q in range(KEEP):  # held in registers until the scale is known
-                u = tid + q * nt
-                for c in range(U):
-                    buf[q * U + c] = ZERO
+            for q in range(KEEP_U):  # held in registers until the scale is known
+                u = lane + q * 32
+                for m in range(4):
+                    wb[q * 4 + m] = uint32(0)
+                fb[q] = ZERO
                 if valid and u < nu:
-                    load(src[ri], u, buf, q * U)
-                    for c in range(U):
-                        amax = fmaxf(amax, abs(buf[q * U + c]))
-            if valid:
-                for u in range(tid + KEEP * nt, nu, nt):
-                    load(src[ri], u, acc, 0)
-                    for c in range(U):
-                        amax = fmaxf(amax, abs(acc[c]))
-            sc = scale_from_amax(block_max(amax, sm), scale_ub[0] if UB else ZERO, UB)
-            if tid == 0:
+                    take(src[ri], u, wb, q * 4, fb, q)
+                for c in range(U):
+                    amax = fmaxf(amax, abs(value(wb, q * 4, fb, q, c)))
+            u = lane + KEEP_U * 32
+            while valid and u < nu:
+                take(src[ri], u, wb, 4 * _SPARE, fb, _SPARE)
+                for c in range(U):
+                    amax = fmaxf(amax, abs(value(wb, 4 * _SPARE, fb, _SPARE, c)))
+                u += 32
+            sc = scale_from_amax(wmax(amax), scale_ub[0] if UB else ZERO, UB)
+            if not live:
+                return
+            if lane == 0:
                 scales[r, 0] = sc
             rs = ONE / sc
-            for q in range(KEEP):
-                u = tid + q * nt
+            orow = dst[r]
+            for q in range(KEEP_U):
+                u = lane + q * 32
                 if u < nu:
                     for c in range(U):
-                        buf[q * U + c] = clamp_fp8(div_rn(buf[q * U + c], sc, rs))
-                    store_fp8(orow, u, buf, q * U)
-            for u in range(tid + KEEP * nt, nu, nt):
-                for c in range(U):
-                    acc[c] = ZERO
+                        acc[c] = clamp_fp8(div_rn(value(wb, q * 4, fb, q, c), sc, rs))
+                    store_fp8(orow, u, acc)
+            u = lane + KEEP_U * 32
+            while u < nu:
+                for m in range(4):
+                    wb[4 * _SPARE + m] = uint32(0)
+                fb[_SPARE] = ZERO
                 if valid:
-                    load(src[ri], u, acc, 0)
+                    take(src[ri], u, wb, 4 * _SPARE, fb, _SPARE)
                 for c in range(U):
-                    acc[c] = clamp_fp8(div_rn(acc[c], sc, rs))
-                store_fp8(orow, u, acc, 0)
+                    acc[c] = clamp_fp8(div_rn(value(wb, 4 * _SPARE, fb, _SPARE, c), sc, rs))
+                store_fp8(orow, u, acc)
+                u += 32
+            return
+        u = int64(cuda.blockIdx.y) * nt + tid
+        if u >= nu:  # no barrier below
+            return
+        r0 = int64(cuda.blockIdx.x) * UPT
+        if OP == "permute":  # bits: words (vector) or storage elements, never converted
+            if not VEC:
+                if r0 < R:
+                    sid = int64(idx[r0])
+                    dst[r0, u] = src[token_of(sid, topk), u] if (sid >= 0 and sid < N) else 0
+                return
+            for q in range(UPT):
+                r = r0 + q
+                for m in range(4):
+                    wb[q * 4 + m] = uint32(0)
+                if r < R:
+                    sid = int64(idx[r])
+                    if sid >= 0 and sid < N:
+                        take(src[token_of(sid, topk)], u, wb, q * 4, fb, q)
+            for q in range(UPT):
+                r = r0 + q
+                if r < R:
+                    store_u32x4(dst[r], u << 2, (wb[q * 4], wb[q * 4 + 1], wb[q * 4 + 2],
+                                                 wb[q * 4 + 3]))
             return
         COMBINE = OP == "combine"
         L_rows = int64(src.shape[0])
-        for u in range(first, nu, step):
-            for c in range(U):
-                acc[c] = ZERO
-            for j0 in range(0, topk, CH):
-                for q in range(CH):  # the chunk's positions and weights, then its rows
-                    j = j0 + q
-                    pos[q] = -1
-                    if j < topk:
+        for q in range(UPT * U):
+            acc[q] = ZERO
+        j0 = int64(0)
+        while j0 < topk:
+            for q in range(UPT):  # the positions and weights of the slots, then their rows
+                r = r0 + q
+                for s in range(CH):
+                    k = q * CH + s
+                    j = j0 + s
+                    p = int64(-1)
+                    if j < topk and r < R:
                         if COMBINE:
                             i = r * topk + j
                             p = int64(idx[i])
-                            wts[q] = weights[r, j]
-                            if p >= 0 and p < L_rows and int64(idx2[p]) == i:
-                                pos[q] = p
+                            wts[k] = weights[r, j]
+                            if not (p >= 0 and p < L_rows and int64(idx2[p]) == i):
+                                p = -1
                         else:
-                            pos[q] = j
-                for q in range(CH):
-                    if pos[q] >= 0:
+                            p = j
+                    pos[k] = p
+            for q in range(UPT):
+                for s in range(CH):
+                    k = q * CH + s
+                    if pos[k] >= 0:
                         if COMBINE:
-                            load(src[pos[q]], u, buf, q * U)
+                            take(src[pos[k]], u, wb, k * 4, fb, k)
                         else:
-                            load(src[r, pos[q]], u, buf, q * U)
-                for q in range(CH):
-                    if pos[q] >= 0:
+                            take(src[r0 + q, pos[k]], u, wb, k * 4, fb, k)
+            for q in range(UPT):
+                for s in range(CH):
+                    k = q * CH + s
+                    if pos[k] >= 0:
                         for c in range(U):
-                            y = buf[q * U + c]
+                            y = value(wb, k * 4, fb, k, c)
+                            a = q * U + c
                             if COMBINE:
-                                acc[c] = acc[c] + mul_rn(wts[q], y)
+                                acc[a] = acc[a] + mul_rn(wts[k], y)
                             elif ROUND_EACH:
-                                acc[c] = rnd(acc[c] + y)
+                                acc[a] = rnd(acc[a] + y)
                             else:
-                                acc[c] = acc[c] + y
-            store(orow, u, acc)
+                                acc[a] = acc[a] + y
+            j0 += CH
+        for q in range(UPT):
+            if r0 + q < R:
+                store(dst[r0 + q], u, acc, q * U)
 
-    kernel.__name__ = f"moe_rows_{spec.op}_{KIND}_{spec.layout}{'_each' if ROUND_EACH else ''}{'_ub' if UB else ''}"
+    kernel.__name__ = (f"moe_rows_{spec.op}_{KIND}_{spec.layout}{'_each' if ROUND_EACH else ''}"
+                       f"{'_ub' if UB else ''}_c{CH}")
     return kernel
 
 
@@ -699,14 +801,19 @@ def variants():
                 out.append((align_kernel, spec, align_argtypes(spec)))
     for kind in KINDS:
         for layout in ("vector", "scalar"):
-            for op in ("permute", "combine"):
-                spec = RowsSpec(kind, op, layout)
-                out.append((rows_kernel, spec, rows_argtypes(spec)))
+            chs = CHS if layout == "vector" else (ROW_SLOTS,)
+            spec = RowsSpec(kind, "permute", layout)
+            out.append((rows_kernel, spec, rows_argtypes(spec)))
             for ub in (False, True):
                 spec = RowsSpec(kind, "permute_fp8", layout, scale_ub=ub)
                 out.append((rows_kernel, spec, rows_argtypes(spec)))
-            for each in (False, True):
-                spec = RowsSpec(kind, "sum", layout, round_each=each)
+            for ch in chs:
+                spec = RowsSpec(kind, "combine", layout, ch=ch)
                 out.append((rows_kernel, spec, rows_argtypes(spec)))
+                for each in (False, True):
+                    if each and (ch == 8 and layout == "vector" or kind == "f32"):
+                        continue  # rounded adds are k = 2..4 of a 16-bit dtype only
+                    spec = RowsSpec(kind, "sum", layout, round_each=each, ch=ch)
+                    out.append((rows_kernel, spec, rows_argtypes(spec)))
     out.append((inverse_kernel, InverseSpec(), inverse_argtypes(InverseSpec())))
     return out

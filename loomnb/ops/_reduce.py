@@ -22,7 +22,8 @@
   packed into one uint64 whose unsigned order is ``argmax_combine``'s (larger value first, NaN
   largest, then the lower index; ``-0.0`` counts as ``+0.0``); 0 is below every key ("none").
   ``group_max_u64(width)`` folds keys over a lane group with one 64-bit shuffle a step (a
-  warp argmax in half the shuffles of ``group_argmax``), ``group_top2_u64(a, b, width)`` the
+  warp argmax in half the shuffles of ``group_argmax``; over the whole warp, two
+  ``redux.sync.max.u32``: the high words, then the low words of the keys that hold the top), ``group_top2_u64(a, b, width)`` the
   two largest keys of a group (``width`` known at run time), and ``lane_broadcast(v, src)``
   lane ``src``'s float32 ``v`` in every lane of the warp.
 
@@ -44,6 +45,9 @@ from numba import cuda, float32, float64, int64, uint32, uint64
 
 from .._numba_internals import SIM, device
 from ..layouts.dtypes import bits_f32, f32_bits
+
+if not SIM:
+    from .._numba_internals import redux_max_u32
 
 FULL_MASK = 0xFFFFFFFF
 REDUCE_SCRATCH = 1024 if SIM else 32  # shared-memory values a block reduction needs
@@ -367,6 +371,15 @@ if SIM:
 else:
     @functools.cache
     def group_max_u64(width):
+        if width == 32:  # the whole warp: two redux.sync, the high words, then the low words
+            @cuda.jit(device=True)
+            def reduce(k):
+                hi = redux_max_u32(uint32(k >> uint64(32)))
+                lo = redux_max_u32(uint32(k & uint64(_LOW)) if uint32(k >> uint64(32)) == hi
+                                   else uint32(0))
+                return (uint64(hi) << uint64(32)) | uint64(lo)
+
+            return reduce
         offsets = tuple(1 << k for k in reversed(range(int(math.log2(width)))))
 
         @cuda.jit(device=True)

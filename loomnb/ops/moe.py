@@ -30,16 +30,16 @@ from ..checks import check_kind, check_same_device, fail_value
 from . import _contract as C
 from . import _launch as L
 from . import _workspace as W
-from ._moe_kernels import (ALIGN_THREADS, F_BIAS, F_GROUPED, F_RENORM, F_SCALED, F_TEI, KEEP,
-                           KINDS, MAX_EXPERTS, MAX_TOPK, ROUTE_WARPS, ROW_UNITS, AlignSpec, InverseSpec,
-                           RouteSpec, RowsSpec, align_kernel, inverse_kernel, route_kernel,
-                           rows_kernel, vpl_for)
+from ._moe_kernels import (ALIGN_PER, F_BIAS, F_GROUPED, F_RENORM, F_SCALED, F_TEI, FP8_WARPS,
+                           KINDS, MAX_EXPERTS, MAX_TOPK, ROUTE_WARPS, ROW_SLOTS, ROW_UNITS,
+                           AlignSpec, InverseSpec, RouteSpec, RowsSpec, align_kernel, align_warps, ch_for, inverse_kernel,
+                           route_kernel, rows_kernel, vpl_for)
 from ._torch_ops import torch_op
 
 __all__ = ["topk_softmax", "topk_sigmoid", "grouped_topk", "moe_align_block_size",
            "moe_permute", "moe_unpermute", "moe_sum"]
 
-ALIGN_CHUNK = 2048   # flat ids a thread block of the align's passes owns
+ALIGN_CHUNK = 8192   # flat ids a thread block of the align's passes owns at most
 ROW_THREADS = 256    # threads of a row kernel at most
 SCORING = ("softmax", "sigmoid")
 
@@ -340,7 +340,8 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
     the tail's -1 too, to ``expert_map[-1]``: loomnb leaves it -1); vLLM's CUDA kernel orders a segment by
     atomics above its small-batch path (the same set of indices in an order that varies from
     run to run), loomnb always ascending -- the order of its small-batch path and of its Triton
-    kernel. Two launches (one below ``ALIGN_CHUNK`` pairs).
+    kernel. One launch up to ``ALIGN_PER`` ids a thread of one block (4,096 pairs at 128 or
+    256 experts), two above.
     """
     op = "loomnb.moe_align_block_size"
     ia = ad.wrap(op, "topk_ids", topk_ids)
@@ -367,8 +368,8 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
                   like_name="topk_ids")
     C.no_overlap(op, {"sorted_token_ids": sa, "expert_ids": ea, "num_tokens_post_pad": pa},
                  {"topk_ids": ia, "expert_map": ma})
-    chunks = max(1, -(-N // ALIGN_CHUNK))
-    threads = min(L.forced_threads() or ALIGN_THREADS, ALIGN_THREADS)
+    threads, chunk = _align_config(N, E)
+    chunks = max(1, -(-N // chunk))
     idt = "int32" if ia.kind == "i32" else "int64"
     emap = L.array(ma) if ma is not None else L.absent("int32", 1)
     if chunks == 1:
@@ -384,7 +385,7 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
     ctr = W.counters(ia, stream, 1)
     params = [flat, emap, L.array(sa), L.array(ea), L.array(pa), W.param(counts, "int32", ia),
               W.param(offsets, "int32", ia), W.param(ctr, "uint32", ia), L.i64(N), L.i64(E),
-              L.i64(bs), L.i64(n), L.i64(ALIGN_CHUNK), L.i64(_shift(bs))]
+              L.i64(bs), L.i64(n), L.i64(chunk), L.i64(_shift(bs))]
     for i, part in enumerate(("count", "place")):
         L.launch(align_kernel, AlignSpec(idt, ma is not None, part), chunks, threads, params,
                  like=ia, stream=stream, key=launch_key, part=(i, 2))
@@ -392,6 +393,17 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
 
 
 moe_align_block_size.__doc__ = moe_align_block_size.__doc__.replace("{raises}", _RAISES)
+
+
+def _align_config(N, E):
+    """``(threads, chunk)`` of the align's blocks: enough threads for ``ALIGN_PER`` ids each
+    (and at least one an expert, up to 256, for the prefix), as many as the shared per-warp
+    counts allow; a block owns ``chunk`` ids (at most ``ALIGN_CHUNK``), so up to
+    ``ALIGN_PER * threads`` ids take one launch."""
+    most = 32 * align_warps(E)
+    threads = min(L.forced_threads() or L.whole_warps(max(-(-N // ALIGN_PER), min(E, 256))),
+                  most)
+    return threads, min(ALIGN_CHUNK, ALIGN_PER * threads)
 
 
 def _shift(bs):
@@ -461,16 +473,23 @@ def _vector(arrs, H, kind):
     return True
 
 
-def _row_grid(rows, units):
-    """``(grid, threads)`` of a row kernel: ``(rows, splits)`` blocks, each thread one unit of
-    a row slice (a small call spreads its rows over more blocks)."""
+def _row_grid(rows, units, upt=1):
+    """``(grid, threads)`` of a row kernel: ``(ceil(rows / upt), splits)`` blocks, each thread
+    one unit of ``upt`` rows (a small call spreads its rows over more blocks)."""
     threads = L.forced_threads() or min(ROW_THREADS, L.whole_warps(units))
-    return (rows, max(1, -(-units // threads))), threads
+    return (-(-rows // upt), max(1, -(-units // threads))), threads
 
 
-def _fp8_threads(units):
-    """A quantising permute's block (one a row): ``KEEP`` units a thread kept in registers."""
-    return L.forced_threads() or min(1024, L.whole_warps(-(-units // KEEP)))
+def _fp8_grid(rows):
+    """A quantising permute's launch: one warp a row, ``FP8_WARPS`` rows a block."""
+    warps = (L.forced_threads() or 32 * FP8_WARPS) // 32
+    return -(-rows // warps), 32 * warps
+
+
+def _sum_spec(kind, op, vec, k, round_each=False):
+    """A combine / moe_sum variant: ``ch_for(k)`` rows a token at once in the vector layout."""
+    return RowsSpec(kind, op, "vector" if vec else "scalar", round_each=round_each,
+                    ch=ch_for(k) if vec else ROW_SLOTS)
 
 
 def _words(a, vec):
@@ -572,7 +591,7 @@ def moe_permute(hidden_states, sorted_token_ids, topk, quant_dtype="none", scale
               L.array(sc),  # [0, 1] without quantisation: a replay allocates it too
               L.array(ua) if ua is not None else L.absent("float32", 1), L.i64(H), L.i64(k),
               L.i64(M * k)]
-    grid, threads = (((n, 1), _fp8_threads(units)) if q else _row_grid(n, units))
+    grid, threads = _fp8_grid(n) if q else _row_grid(n, units, spec.upt)
     L.launch(rows_kernel, spec, grid, threads, params, like=ha, stream=stream, key=launch_key)
     return oa.obj, sc.obj
 
@@ -642,9 +661,9 @@ def moe_unpermute(permuted, sorted_token_ids, topk_weights, *, out=None, stream=
     units = H // ROW_UNITS[pa.kind] if vec else H
     params = [_words(oa, vec), _words(pa, vec), invp, L.array(sa), L.array(wa),
               L.absent("float32", 2), L.absent("float32", 1), L.i64(H), L.i64(k), L.i64(M * k)]
-    grid, threads = _row_grid(M, units)
-    L.launch(rows_kernel, RowsSpec(pa.kind, "combine", "vector" if vec else "scalar"), grid,
-             threads, params, like=pa, stream=stream, key=launch_key,
+    spec = _sum_spec(pa.kind, "combine", vec, k)
+    grid, threads = _row_grid(M, units, spec.upt)
+    L.launch(rows_kernel, spec, grid, threads, params, like=pa, stream=stream, key=launch_key,
              part=(1, 2) if n > 0 else (0, 1))
     return oa.obj
 
@@ -686,12 +705,11 @@ def moe_sum(input, *, out=None, stream=None, launch_key=None):
         return oa.obj
     vec = _vector([(xa, 16), (oa, 16)], H, xa.kind)
     units = H // ROW_UNITS[xa.kind] if vec else H
-    spec = RowsSpec(xa.kind, "sum", "vector" if vec else "scalar",
-                    round_each=2 <= k <= 4 and xa.kind != "f32")
+    spec = _sum_spec(xa.kind, "sum", vec, k, round_each=2 <= k <= 4 and xa.kind != "f32")
     params = [_words(oa, vec), _words(xa, vec), L.absent("int32", 1), L.absent("int32", 1),
               L.absent("float32", 2), L.absent("float32", 2), L.absent("float32", 1), L.i64(H),
               L.i64(k), L.i64(0)]
-    grid, threads = _row_grid(M, units)
+    grid, threads = _row_grid(M, units, spec.upt)
     L.launch(rows_kernel, spec, grid, threads, params, like=xa, stream=stream, key=launch_key)
     return oa.obj
 
