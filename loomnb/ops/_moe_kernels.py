@@ -16,24 +16,25 @@ keeps pick ``j``, renormalised by the float32 sum of the picks in order, then sc
 Products go through :func:`mul_rn` so no FMA contracts them.
 
 **Align** (:func:`align_kernel`, two passes over ``C`` chunks of the flat ``topk_ids``;
-one fused launch when ``C == 1``). Pass ``count``: thread block ``c`` counts its chunk's
-experts (shared-memory atomics: exact) into ``counts[c, :]``; the last block to finish (a
-ticket on the stream's split counters) sums the columns, pads each expert's count to the block
-size, scans them (``offsets``), and writes ``num_tokens_post_pad``, ``expert_ids`` (every
-block; -1 past the segments) and the sentinel ``N`` at every position no token takes. Pass
-``place``: block ``c`` starts expert ``e`` at ``offsets[e] + sum(counts[:c, e])`` and places
-its chunk in tiles of ``blockDim`` ids: an id's rank is the number of equal experts before it
-in its warp (``match.any``) plus those of the earlier warps (per-warp counts in shared
-memory), so every segment lists its flat indices in ascending order -- the same result at any
-size, grid or thread count.
+one fused launch when ``C == 1``). Each thread holds ``ALIGN_PER`` ids in registers (all
+loads in flight at once), and every position first takes the sentinel ``N`` (a coalesced fill).
+Pass ``count``: thread block ``c`` counts its chunk's experts (shared-memory atomics: exact)
+into ``counts[c, :]``; the last block to finish (a ticket on the stream's split counters) sums
+the columns, pads each expert's count to the block size, scans them (``offsets``), and writes
+``num_tokens_post_pad`` and ``expert_ids`` (-1 past the segments). Pass ``place``: an id's
+position is its expert's start (``offsets[e] + sum(counts[:c, e])``) + the equal ids of earlier
+warps (a scan of shared per-warp counts) + those earlier in its warp (one ballot a bit of the
+id, and a warp-synchronous running count), so every segment lists its flat indices in
+ascending order -- the same result at any size, grid or thread count -- with two barriers a
+block.
 
-**Rows** (:func:`rows_kernel`): a grid of ``(rows, splits)`` thread blocks, each a slice of
-one destination row; ``"permute"`` gathers ``hidden_states[sorted_token_ids[p] // topk]``
-(zeros for a sentinel) as bits, ``"permute_fp8"`` (one block a row) as FP8 E4M3 codes with the
-row's dynamic per-token scale; ``"combine"`` sums ``r32(w * f(y))`` of a token's ``k`` expert
-rows in float32 (``y`` found through the inverse map that :func:`inverse_kernel` scatters
-first, checked against ``sorted_token_ids``); ``"sum"`` is ``moe_sum``. Rows are read as
-16-byte units (``"vector"``) when every row allows, else element by element.
+**Rows** (:func:`rows_kernel`): each thread one 16-byte unit (``"vector"``, when every row
+allows; else an element) of ``upt`` destination rows, every load issued before the first is
+used; ``"permute"`` gathers ``hidden_states[sorted_token_ids[p] // topk]`` (zeros for a
+sentinel) as bits, ``"permute_fp8"`` (one warp a row) as FP8 E4M3 codes with the row's dynamic
+per-token scale; ``"combine"`` sums ``r32(w * f(y))`` of a token's ``k`` expert rows in float32
+(``y`` found through the inverse map that :func:`inverse_kernel` scatters first, checked
+against ``sorted_token_ids``); ``"sum"`` is ``moe_sum``.
 """
 
 from __future__ import annotations
