@@ -55,7 +55,7 @@ from ._fp8 import clamp_fp8, div_rn, scale_from_amax
 from ._reduce import (FULL_MASK, REDUCE_SCRATCH, block_scan, fadd, fmax_nan, fmaxf,
                       group_max_u64, group_reduce, group_top2_u64, key_index, key_value,
                       lane_broadcast, order_key, umax)
-from ._vector import CODECS, load_u32x4, store_u32x2, store_u32x4
+from ._vector import CODECS, load_u32x4, store_u32x4, unit_io
 
 KINDS = ("bf16", "f16", "f32")
 SCORES = ("softmax", "sigmoid")
@@ -75,7 +75,7 @@ FP8_WARPS = 4            # rows (one a warp) of an FP8 permute block
 _SPARE = ROW_SLOTS       # the slot an FP8 permute lane re-reads its units past KEEP into
 _WB_N = 4 * (ROW_SLOTS + 1)  # a row thread's staged words (the slots and the spare)
 _FB_N = ROW_SLOTS + 1    # its staged values in the scalar layout
-_ACC_N = 4 * 8           # a row thread's float32 sums: PERMUTE_UPT or ROW_SLOTS // 2 tokens x 8
+_ACC_N = 4 * 8           # a row thread's float32 sums: up to ROW_SLOTS // 2 tokens x 8
 _CNT_N = MAX_EXPERTS + 1           # shared counts / offsets of the align
 _WC_N = 8192             # shared per-warp counts of the align: warps * num_experts at most
 
@@ -570,7 +570,7 @@ def rows_kernel(spec):
     OP, VEC, KIND = spec.op, spec.layout == "vector", spec.kind
     codec = CODECS[KIND]
     dec, enc, rnd = codec.decode, codec.encode, codec.rnd
-    unpack, pack = codec.unpack, codec.pack
+    unpack = codec.unpack
     U = ROW_UNITS[KIND] if VEC else 1
     F32 = KIND == "f32"
     ROUND_EACH = spec.round_each
@@ -599,30 +599,31 @@ def rows_kernel(spec):
         lo, hi = unpack(wb[o + (c >> 1)])
         return hi if (c & 1) else lo
 
+    if VEC and not F32:
+        _, store8, store8_fp8 = unit_io(KIND)
+
     @device
-    def store(row, u, vals, o):
+    def store(row, u, vals, q):
+        """Unit ``u`` of ``row`` from ``vals[q * U : (q + 1) * U]``."""
         if not VEC:
-            row[u] = enc(vals[o])
+            row[u] = enc(vals[q])
         elif F32:
+            o = q * 4
             store_u32x4(row, u << 2, (_f32_bits(vals[o]), _f32_bits(vals[o + 1]),
                                       _f32_bits(vals[o + 2]), _f32_bits(vals[o + 3])))
         else:
-            store_u32x4(row, u << 2, (pack(vals[o + 1], vals[o]), pack(vals[o + 3], vals[o + 2]),
-                                      pack(vals[o + 5], vals[o + 4]), pack(vals[o + 7], vals[o + 6])))
+            store8(row, u, vals, q)
 
     @device
     def store_fp8(row, u, vals):
         """``U`` FP8 codes of ``vals[0:U]`` (already divided and clamped) at element ``u * U``."""
         if not VEC:
             row[u] = f32_to_e4m3(vals[0])
+        elif F32:
+            row[u] = uint32((int(pack_e4m3x2(vals[3], vals[2])) << 16)
+                            | int(pack_e4m3x2(vals[1], vals[0])))
         else:
-            w0 = uint32((int(pack_e4m3x2(vals[3], vals[2])) << 16) | int(pack_e4m3x2(vals[1], vals[0])))
-            if U == 8:
-                w1 = uint32((int(pack_e4m3x2(vals[7], vals[6])) << 16)
-                            | int(pack_e4m3x2(vals[5], vals[4])))
-                store_u32x2(row, u << 1, (w0, w1))
-            else:
-                row[u] = w0
+            store8_fp8(row, u, vals, 0)
 
     def kernel(dst, src, idx, idx2, weights, scales, scale_ub, H, topk, N):
         wb = cuda.local.array(_WB_N, uint32)
@@ -753,7 +754,7 @@ def rows_kernel(spec):
             j0 += CH
         for q in range(UPT):
             if r0 + q < R:
-                store(dst[r0 + q], u, acc, q * U)
+                store(dst[r0 + q], u, acc, q)
 
     kernel.__name__ = (f"moe_rows_{spec.op}_{KIND}_{spec.layout}{'_each' if ROUND_EACH else ''}"
                        f"{'_ub' if UB else ''}_c{CH}")

@@ -23,9 +23,9 @@
   largest, then the lower index; ``-0.0`` counts as ``+0.0``); 0 is below every key ("none").
   ``group_max_u64(width)`` folds keys over a lane group with one 64-bit shuffle a step (a
   warp argmax in half the shuffles of ``group_argmax``; over the whole warp, two
-  ``redux.sync.max.u32``: the high words, then the low words of the keys that hold the top), ``group_top2_u64(a, b, width)`` the
-  two largest keys of a group (``width`` known at run time), and ``lane_broadcast(v, src)``
-  lane ``src``'s float32 ``v`` in every lane of the warp.
+  ``redux.sync.max.u32``: the high words, then the low words of the keys that hold the top),
+  ``group_top2_u64(a, b, width)`` the two largest keys of a group (``width`` known at run
+  time), and ``lane_broadcast(v, src)`` lane ``src``'s float32 ``v`` in every lane of the warp.
 
 A lane or warp that holds no value takes part with the combine's identity (a sum pads with 0, a
 max with -inf, a min with +inf -- never 0 for a max of negative values). Block sizes must be

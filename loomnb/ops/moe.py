@@ -32,8 +32,8 @@ from . import _launch as L
 from . import _workspace as W
 from ._moe_kernels import (ALIGN_PER, F_BIAS, F_GROUPED, F_RENORM, F_SCALED, F_TEI, FP8_WARPS,
                            KINDS, MAX_EXPERTS, MAX_TOPK, ROUTE_WARPS, ROW_SLOTS, ROW_UNITS,
-                           AlignSpec, InverseSpec, RouteSpec, RowsSpec, align_kernel, align_warps, ch_for, inverse_kernel,
-                           route_kernel, rows_kernel, vpl_for)
+                           AlignSpec, InverseSpec, RouteSpec, RowsSpec, align_kernel, align_warps,
+                           ch_for, inverse_kernel, route_kernel, rows_kernel, vpl_for)
 from ._torch_ops import torch_op
 
 __all__ = ["topk_softmax", "topk_sigmoid", "grouped_topk", "moe_align_block_size",
