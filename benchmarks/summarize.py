@@ -34,7 +34,7 @@ SUBJECT = "loomnb"
 
 
 FAMILY_PREFIXES = ("norm", "activation", "rope_cache", "decode_attention", "sampling", "spec",
-                   "kv_blocks", "moe")
+                   "kv_blocks", "moe", "sampler")
 
 
 def _newest_of_each(results_dir: Path, patterns=None) -> list[Path]:

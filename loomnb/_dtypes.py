@@ -31,6 +31,7 @@ DTYPES = {d.kind: d for d in (
     DType("i32", "int32", 4, "int32", False),
     DType("i64", "int64", 8, "int64", False),
     DType("u8", "uint8", 1, "uint8", False),
+    DType("bool", "bool", 1, "uint8", False),  # vLLM's token masks
 )}
 KIND_OF_NAME = {d.name: d.kind for d in DTYPES.values()}
 ACTIVATION_KINDS = ("bf16", "f16", "f32")  # the activation dtypes T of every op

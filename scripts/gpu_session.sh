@@ -87,6 +87,10 @@
 #                                   # tests and op cases, memcheck over them, its benchmark vs vLLM
 #   bash scripts/gpu_session.sh MOE # after the last bundle of numpy,vllm: the MoE family's GPU tests
 #                                   # and op cases, memcheck over them, its benchmark vs vLLM's _moe_C
+#   bash scripts/gpu_session.sh SAMPLER  # after the last bundle of numpy,vllm,flashinfer: the
+#                                   # sampler family's registers, GPU tests and op cases, memcheck,
+#                                   # notebook 07's GPU run (FlashInfer compiles meanwhile)
+#   bash scripts/gpu_session.sh SAMPLER_BENCH  # right after: its benchmark vs FlashInfer and vLLM
 #   bash scripts/gpu_session.sh Y [CMD]  # after X, with each later bundle: run CMD, then collect the
 #                                   # detached runs' logs so far
 # Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
@@ -263,6 +267,56 @@ elif [ "$part" = MOE ]; then  # the moe family: its GPU file (vLLM's _moe_C ops 
   tar czf "$OUT/session_MOE.tgz" -C "$R" .
   tail -n 3 "$R/pytest_moe.log"; grep -hE "^(FAILED|ERROR) " "$R"/pytest_*.log | head -20
   grep -E "ERROR SUMMARY|passed|rc=" "$R/memcheck_moe.log"; tail -40 "$R/bench.log"
+  exit 0
+elif [ "$part" = SAMPLER ]; then  # the sampler family: registers, its GPU file and every op case's
+  # zero-size, property and no-recompile checks, memcheck, the notebook's GPU run; FlashInfer's
+  # sampling modules JIT-compile in the background meanwhile (nvcc on the CPU), for SAMPLER_BENCH
+  mkdir -p /tmp/res_bg
+  nohup python3 -c "
+import torch, flashinfer.sampling as S
+p = torch.softmax(torch.randn(2, 4096, device='cuda'), -1)
+S.top_k_top_p_sampling_from_logits(p.log(), 50, 0.9, deterministic=True)
+S.min_p_sampling_from_probs(p, 0.1); S.sampling_from_logits(p.log())
+S.top_k_renorm_probs(p, 50); S.top_p_renorm_probs(p, 0.9)
+print('flashinfer warm')" > /tmp/res_bg/flashinfer_warm.log 2>&1 &
+  python3 - > "$R/registers.log" 2>&1 <<'PY'
+from loomnb.ops import _launch as L, _sampler_kernels as K
+for f, spec, sig in K.variants():
+    k = L.kernel(f, spec, tuple(sig))
+    k.compile(0)
+    d = k.dispatcher
+    print(spec, "regs", d.get_regs_per_thread(k.argtypes), "max threads",
+          d.get_max_threads_per_block(k.argtypes), "shared", d.get_shared_mem_per_block(k.argtypes))
+PY
+  echo "registers rc=$?" >> "$R/registers.log"
+  sel="sampling_from or top_k_top_p or top_k_mask or renorm_probs or penalties or min_p_sampling"
+  timeout 240 python3 -m pytest -q -rfEs -m gpu -n 8 tests/test_sampler_gpu.py tests/test_zero_size.py \
+    tests/test_fuzz.py tests/test_recompile_gpu.py tests/test_torch_ops_gpu.py -k "$sel" \
+    -p no:cacheprovider > "$R/pytest_sampler.log" 2>&1
+  echo "pytest sampler rc=$?" >> "$R/pytest_sampler.log"
+  timeout 150 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 \
+    python3 -m pytest -q -m gpu tests/test_sampler_gpu.py tests/test_zero_size.py tests/test_fuzz.py \
+    -k "($sel) and not distribution and not compile" \
+    -p no:cacheprovider > "$R/memcheck_sampler.log" 2>&1
+  echo "memcheck rc=$?" >> "$R/memcheck_sampler.log"
+  timeout 120 python3 scripts/run_notebooks.py --gpu --out "$R/notebooks" notebooks/07_sampler.ipynb \
+    > "$R/notebooks.log" 2>&1
+  echo "notebooks rc=$?" >> "$R/notebooks.log"
+  tar czf "$OUT/session_SAMPLER.tgz" -C "$R" .
+  cat "$R/registers.log" | tail -20
+  tail -n 3 "$R/pytest_sampler.log"; grep -hE "^(FAILED|ERROR) " "$R"/pytest_*.log | head -30
+  grep -E "ERROR SUMMARY|passed|rc=" "$R/memcheck_sampler.log"; tail -2 "$R/notebooks.log"
+  tail -3 /tmp/res_bg/flashinfer_warm.log
+  exit 0
+elif [ "$part" = SAMPLER_BENCH ]; then  # right after SAMPLER: the sampler benchmark (FlashInfer warm)
+  for _ in $(seq 60); do grep -q "flashinfer warm\|Error" /tmp/res_bg/flashinfer_warm.log 2>/dev/null && break; sleep 5; done
+  tail -2 /tmp/res_bg/flashinfer_warm.log
+  mkdir -p "$R/bench"
+  timeout "${BENCH_LIMIT:-420}" python3 benchmarks/bench_sampler.py --vllm-lib "$LOOMNB_VLLM_LIB" \
+    --out "$R/bench" ${BENCH_ARGS:-} > "$R/bench.log" 2>&1
+  echo "bench rc=$?" >> "$R/bench.log"
+  tar czf "$OUT/session_SAMPLER_BENCH.tgz" -C "$R" .
+  tail -60 "$R/bench.log"
   exit 0
 elif [ "$part" = S11 ]; then  # session 11, after the last bundle of numpy,model (S and Y before it): wait
   # for part S's xdist run, then the model's GPU tests and the graphed loop (batch 1, 8 and 64,

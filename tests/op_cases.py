@@ -633,6 +633,135 @@ def _(rng, d, kind, special):
     return (_logits(rng, d, kind, special), mp, _sampler(rng)), {}
 
 
+# ---------------------------------------------------------------- sampler
+SAMPLER_DIMS = {"num_rows": 2, "vocab_size": 29}
+SAMPLER = dict(zero=("num_rows",), ranges={"num_rows": (1, 3), "vocab_size": (1, 48)},
+               recompile_dim="num_rows")
+
+
+def compare_renorm(got, want, kind, what, mode, inputs=None):
+    """Renormalised probabilities within the sampler_renorm row (the float64 sum's order)."""
+    assert_ulps(got, want, ulps("sampler_renorm", "f32"), what)
+
+
+def _per_row_or_scalar(rng, R, options, dtype):
+    """A per-row parameter as one of ``options`` or (half the time) a [num_rows] array of them
+    (drawn from the values' stream, so the options drawn after it do not depend on R)."""
+    if rng.random() < 0.5:
+        v = rng.choice(options)
+        return int(v) if dtype == np.int32 else float(v)
+    return np.asarray(rng.choice(options, R), dtype)
+
+
+def _sampler_kwargs(rng, R):
+    seed = int(rng.integers(0, 2 ** 62)) if rng.random() < 0.5 else \
+        rng.integers(0, 2 ** 62, R).astype(np.int64)
+    kw = {"seed": seed}
+    if rng.random() < 0.5:
+        kw["offset"] = int(rng.integers(0, 1 << 40))
+    return kw
+
+
+def _top_k(rng, d):
+    return _per_row_or_scalar(rng, d["num_rows"], np.arange(-1, d["vocab_size"] + 2), np.int32)
+
+
+def _top_p(rng, d):
+    return _per_row_or_scalar(rng, d["num_rows"], [0.0, 0.3, 0.8, 0.95, 1.0], np.float32)
+
+
+def _probs(rng, d, special):
+    x = values(rng, (d["num_rows"], d["vocab_size"]), "f32", special, 2.0)
+    with np.errstate(all="ignore"):
+        e = np.exp(x.astype(np.float64) - np.nanmax(np.where(np.isinf(x), np.nan, x), 1,
+                                                      keepdims=True, initial=0))
+        return np.where(np.isnan(e), 0, e / np.nansum(e, 1, keepdims=True)).astype(np.float32)
+
+
+@case("top_k_top_p_sampling_from_logits", "sampler", SAMPLER_DIMS, **SAMPLER)
+def _(rng, d, kind, special):
+    R = d["num_rows"]
+    kw = _sampler_kwargs(rng, R)
+    kw["temperature"] = _per_row_or_scalar(rng, R, [0.0, 0.5, 1.0, 1.7], np.float32)
+    if rng.random() < 0.5:
+        kw["min_p"] = _per_row_or_scalar(rng, R, [0.0, 0.05, 0.5], np.float32)
+    kw["filter_apply_order"] = str(rng.choice(["top_k_first", "joint"]))
+    return (_logits(rng, d, kind, special), _top_k(rng, d), _top_p(rng, d)), kw
+
+
+@case("top_k_top_p_sampling_from_probs", "sampler", SAMPLER_DIMS, kinds=("f32",), **SAMPLER)
+def _(rng, d, kind, special):
+    kw = _sampler_kwargs(rng, d["num_rows"])
+    kw["filter_apply_order"] = str(rng.choice(["top_k_first", "joint"]))
+    return (_probs(rng, d, special), _top_k(rng, d), _top_p(rng, d)), kw
+
+
+@case("sampling_from_logits", "sampler", SAMPLER_DIMS, **SAMPLER)
+def _(rng, d, kind, special):
+    kw = _sampler_kwargs(rng, d["num_rows"])
+    kw["temperature"] = _per_row_or_scalar(rng, d["num_rows"], [0.0, 0.7, 1.0], np.float32)
+    return (_logits(rng, d, kind, special),), kw
+
+
+@case("sampling_from_probs", "sampler", SAMPLER_DIMS, kinds=("f32",), **SAMPLER)
+def _(rng, d, kind, special):
+    return (_probs(rng, d, special),), _sampler_kwargs(rng, d["num_rows"])
+
+
+@case("top_k_sampling_from_probs", "sampler", SAMPLER_DIMS, kinds=("f32",), **SAMPLER)
+def _(rng, d, kind, special):
+    return (_probs(rng, d, special), _top_k(rng, d)), _sampler_kwargs(rng, d["num_rows"])
+
+
+@case("top_p_sampling_from_probs", "sampler", SAMPLER_DIMS, kinds=("f32",), **SAMPLER)
+def _(rng, d, kind, special):
+    return (_probs(rng, d, special), _top_p(rng, d)), _sampler_kwargs(rng, d["num_rows"])
+
+
+@case("min_p_sampling_from_probs", "sampler", SAMPLER_DIMS, kinds=("f32",), **SAMPLER)
+def _(rng, d, kind, special):
+    mp = _per_row_or_scalar(rng, d["num_rows"], [0.0, 0.1, 0.6], np.float32)
+    return (_probs(rng, d, special), mp), _sampler_kwargs(rng, d["num_rows"])
+
+
+@case("top_k_mask_logits", "sampler", SAMPLER_DIMS, **SAMPLER)
+def _(rng, d, kind, special):
+    return (_logits(rng, d, kind, special), _top_k(rng, d)), {}
+
+
+@case("top_k_renorm_probs", "sampler", SAMPLER_DIMS, kinds=("f32",), compare=compare_renorm,
+      **SAMPLER)
+def _(rng, d, kind, special):
+    return (_probs(rng, d, special), _top_k(rng, d)), {}
+
+
+@case("top_p_renorm_probs", "sampler", SAMPLER_DIMS, kinds=("f32",), compare=compare_renorm,
+      **SAMPLER)
+def _(rng, d, kind, special):
+    return (_probs(rng, d, special), _top_p(rng, d)), {}
+
+
+def _seen(rng, d, p=0.3):
+    return rng.random((d["num_rows"], d["vocab_size"])) < p
+
+
+@case("apply_repetition_penalties_", "sampler", SAMPLER_DIMS, **SAMPLER)
+def _(rng, d, kind, special):
+    rep = rng.choice([0.5, 1.0, 1.3, 2.0], d["num_rows"]).astype(np.float32).astype(DT[kind])
+    return (_logits(rng, d, kind, special), _seen(rng, d), _seen(rng, d), rep), {}
+
+
+@case("apply_penalties_", "sampler", SAMPLER_DIMS, kinds=("f32",), **SAMPLER)
+def _(rng, d, kind, special):
+    R, V = d["num_rows"], d["vocab_size"]
+    counts = np.where(_seen(rng, d), rng.integers(1, 5, (R, V)), 0).astype(
+        rng.choice([np.int32, np.int64]))
+    rep = rng.choice([0.7, 1.0, 1.2], R).astype(np.float32)
+    freq = rng.choice([0.0, 0.1, -0.3], R).astype(np.float32)
+    pres = rng.choice([0.0, 0.5, 1.0], R).astype(np.float32)
+    return (_logits(rng, d, kind, special), _seen(rng, d, 0.1), counts, rep, freq, pres), {}
+
+
 # ---------------------------------------------------------------- spec_decode
 SPEC_DIMS = {"num_reqs": 3, "max_spec_len": 3, "vocab_size": 20}
 SPEC_RANGES = {"num_reqs": (1, 4), "max_spec_len": (1, 4), "vocab_size": (2, 40)}

@@ -165,7 +165,17 @@ def _moe_checks(spec, ptx):
             assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
 
 
-FAMILY_CHECKS = {"_moe_kernels": _moe_checks, "_norm_kernels": _norm_checks, "_sampling_kernels": _sampling_checks, "_activation_kernels": _activation_checks, "_rope_cache_kernels": _rope_cache_checks, "_attention_kernels": _attention_checks, "_spec_decode_kernels": _spec_decode_checks, "_kv_blocks_kernels": _kv_blocks_checks}
+def _sampler_checks(spec, ptx):
+    if type(spec).__name__ == "PenaltySpec":
+        assert "div.rn.f32" in ptx, "x / penalty is an IEEE division (vLLM's op)"
+        assert "fma.rn.f32" not in ptx, "no contracted FMA in x - f * count"
+        return
+    assert "atom.shared.add.u64" in ptx, "the radix histograms are 64-bit shared atomics"
+    if spec.output == "sample":
+        assert "mul.wide.u32" in ptx, "Philox's 32x32->64-bit products"
+
+
+FAMILY_CHECKS = {"_sampler_kernels": _sampler_checks, "_moe_kernels": _moe_checks, "_norm_kernels": _norm_checks, "_sampling_kernels": _sampling_checks, "_activation_kernels": _activation_checks, "_rope_cache_kernels": _rope_cache_checks, "_attention_kernels": _attention_checks, "_spec_decode_kernels": _spec_decode_checks, "_kv_blocks_kernels": _kv_blocks_checks}
 
 
 def test_every_family_declares_variants():

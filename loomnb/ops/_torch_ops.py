@@ -45,7 +45,12 @@ the one the replay allocated (as ``_launch.fill``). Where an op's fast path diff
   flag is True or the caller passes it (``paged_decode_attention``); the flag must be a bool
   and is part of the key, and the registered op always computes and returns it;
 * ``workspaces_first=1``: the replay allocates that many workspaces before the outputs (a
-  workspace the op's first launch writes: ``greedy_verify``).
+  workspace the op's first launch writes: ``greedy_verify``);
+* a ``Tensor|int`` or ``Tensor|float`` input (``Tensor|float? temperature=None``: a number for
+  every row, or a per-row tensor, FlashInfer's sampling arguments) is keyed by its value (with
+  its type) or by its tensor's fields; a schema has no union type, so the registered op takes it
+  as two arguments, ``Tensor? temperature`` and ``float? temperature__v``, split and joined
+  around the call; a ``Generator?`` input takes the checked path unless it is None.
 
 **torch.compile.** While torch.compile (Dynamo) traces a caller, the op calls its
 ``torch.ops.loomnb`` twin, which Dynamo records as one graph node (no graph break), and the twin
@@ -135,6 +140,7 @@ def _public(body, args, outputs, returns, optional, stream_key, skip):
                         "'launch_key' (the fast path's key, which it passes to its launch)")
     params = params[:-1]
     ns = {"_is_compiling": ad.is_compiling, "_body": body, "_key": L.key, "_key3": L.key3,
+          "_either": _either, "_either_ok": _either_ok,
           "_replay": L.replay, "_fill": L.fill, "_stream_of": _current_stream}
     sig, call, star = [], [], False
     for p in params:
@@ -182,7 +188,10 @@ def _fast_path(name, args, outputs, returns, optional, stream_key, skip):
     """Source lines of the fast path: the conditions, the key, the replay and its returns."""
     conds, exact, loose, tensors = ["stream is None"], [], [], []
     for typ, n, _ in args:
-        if typ.startswith("Tensor"):
+        if typ.startswith("Tensor|"):  # a number or a tensor: keyed by value or by tensor
+            conds.append(f"_either_ok({n})")
+            exact.append(f"_either({n})")
+        elif typ.startswith("Tensor"):
             tensors.append(n)
         elif typ == "bool" and n.startswith("check_"):
             conds.append(f"{n} is False")
@@ -193,6 +202,8 @@ def _fast_path(name, args, outputs, returns, optional, stream_key, skip):
             conds.append(f"type({n}) is int" if typ == "int" else
                          f"({n} is None or type({n}) is int)")
             exact.append(n)
+        elif typ == "Generator?":  # a generator draws a seed every call: the checked path
+            conds.append(f"{n} is None")
         elif typ == "ScalarType":
             exact.append(f"str({n})")
         elif typ in ("float", "float?", "str"):
@@ -245,6 +256,39 @@ def _hit_lines(outputs, returns, skip, pad):
     return lines + [f"{pad}return {', '.join(got)}"]
 
 
+def _either_ok(v):
+    """A ``Tensor|int`` / ``Tensor|float`` argument the fast path can key: a number of an exact
+    type, None, or a CUDA torch tensor."""
+    return type(v) in (int, float) or v is None or (
+        torch is not None and isinstance(v, torch.Tensor) and v.is_cuda)
+
+
+def _either(v):
+    """The key part of such an argument: the number (with its type) or the tensor's fields."""
+    if isinstance(v, (int, float)) or v is None:
+        return (type(v), v)
+    return (v.data_ptr(), v.shape, v.stride(), v.dtype)
+
+
+def _split_unions(inputs):
+    """The registered schema of ``inputs``: each ``Tensor|int n`` / ``Tensor|float n`` becomes
+    ``Tensor? n, int? n__v`` (a schema has no union type), with ``=None`` defaults where the
+    argument has a default; returns (schema, {n: its number type})."""
+    parts, unions = [], {}
+    for part in inputs.split(","):
+        part = part.strip()
+        if not part.startswith("Tensor|"):
+            parts.append(part)
+            continue
+        typ, rest = part.split(None, 1)
+        name = rest.split("=")[0].strip()
+        num = typ[len("Tensor|"):].rstrip("?")
+        unions[name] = num
+        default = "=None" if "=" in rest else ""
+        parts += [f"Tensor? {name}{default}", f"{num}? {name}__v{default}"]
+    return ", ".join(parts), unions
+
+
 def _current_stream(x):
     """The current stream's handle on ``x``'s device, for a key, or None when ``x`` is not a
     CUDA torch tensor (no fast path)."""
@@ -255,8 +299,25 @@ def _current_stream(x):
 
 # ---------------------------------------------------------------- torch.ops.loomnb.<name>
 def _make_traced(name, inputs, args, outputs, returns, fake, optional):
-    params = tuple(n for _, n, kw in args if not kw)
-    kwonly = tuple(n for _, n, kw in args if kw)
+    inputs, unions = _split_unions(inputs)
+    params = tuple(m for _, n, kw in args if not kw
+                   for m in ((n, n + "__v") if n in unions else (n,)))
+    kwonly = tuple(m for _, n, kw in args if kw
+                   for m in ((n, n + "__v") if n in unions else (n,)))
+
+    def joined(kw):  # the registered op's split arguments back as the Python op's
+        for n in unions:
+            t, v = kw.pop(n, None), kw.pop(n + "__v", None)
+            kw[n] = t if t is not None else v
+        return kw
+
+    def split(kw):  # the Python op's arguments as the registered op's
+        for n, num in unions.items():
+            v = kw.get(n)
+            is_t = isinstance(v, torch.Tensor)
+            kw[n] = v if is_t else None
+            kw[n + "__v"] = None if is_t or v is None else (float(v) if num == "float" else int(v))
+        return kw
     if outputs:
         ret = "Tensor" if len(outputs) == 1 else "(" + ", ".join("Tensor" for _ in outputs) + ")"
         _LIB.define(f"{name}({inputs}) -> {ret}")
@@ -269,7 +330,7 @@ def _make_traced(name, inputs, args, outputs, returns, fake, optional):
     always = {flag: True for flag in optional.values()}  # the registered op returns them all
 
     def run(*args, **kwargs):  # the eager implementation behind torch.ops.loomnb.<name>
-        kw = dict(zip(params, args), **kwargs)
+        kw = joined(dict(zip(params, args), **kwargs))
         res = REGISTERED[name](**kw, **always)
         if not outputs:
             return None
@@ -278,7 +339,7 @@ def _make_traced(name, inputs, args, outputs, returns, fake, optional):
         return vals[0] if len(vals) == 1 else vals
 
     def run_out(*args, **kwargs):
-        REGISTERED[name](**dict(zip(params, args), **kwargs), **always)
+        REGISTERED[name](**joined(dict(zip(params, args), **kwargs)), **always)
 
     def on_cpu(*args, **kwargs):  # what torch would otherwise answer with NotImplementedError
         raise LoomnbTypeError(f"torch.ops.loomnb.{name}: loomnb's torch ops run on CUDA tensors, "
@@ -303,6 +364,7 @@ def _make_traced(name, inputs, args, outputs, returns, fake, optional):
         if kw.pop("stream", None) is not None:
             raise LoomnbValueError(f"loomnb.{name}: argument 'stream' must be None under "
                                    "torch.compile (the graph runs on the current stream)")
+        kw = split(dict(kw))
         args = [kw[p] for p in params]
         options = {p: kw[p] for p in kwonly}
         if not outputs:

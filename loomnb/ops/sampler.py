@@ -1,0 +1,610 @@
+"""The sampling tail: logits penalties, temperature, top-k / top-p / min-p filtering and
+renormalisation, and seeded sampling -- FlashInfer 0.6.12's sampling ops (names, arguments,
+int32 samples) and vLLM 0.24's penalties, on one row kernel and one elementwise kernel.
+
+**Filters.** Every filter keeps a prefix of a row's tokens in descending order of value, found
+exactly (a radix select over the values' ordered bits; ``loomnb.ops._sampler_kernels``), ties at
+a boundary kept:
+
+* top-k: the tokens whose value is at least the ``k``-th largest (``k <= 0`` or ``k >=
+  vocab_size``: no filter);
+* top-p: the smallest set of most likely tokens whose probability reaches ``top_p`` (``top_p
+  >= 1``: no filter; ``top_p <= 0`` keeps the most likely tokens), probabilities in a 2^-32
+  fixed point of the row's largest, summed exactly -- so the choice does not depend on the
+  order of a reduction (``deterministic=True`` always holds);
+* min-p: ``p >= min_p * p_max`` (``min_p <= 0``: no filter).
+
+``filter_apply_order="top_k_first"`` (default) measures top-p on the top-k set renormalised (as
+vLLM's torch path and FlashInfer); ``"joint"`` measures it on the whole row. Min-p applies to the
+whole row first (vLLM's order: a logits processor before top-k/top-p).
+
+**Sampling** draws ``argmax_i (s_i + g_i)`` over the kept tokens, ``s_i = x_i / T`` (logits) or
+``log p_i`` (probabilities) and ``g_i`` a Gumbel variate of a counter-based Philox-4x32-10
+stream: exactly a draw from the renormalised distribution (the Gumbel-max theorem; vLLM's
+sampler draws ``argmax p_i / E_i`` with exponential ``E_i``, the same law). Token ``i`` of row
+``r`` reads the stream at key ``seed`` and counter ``(i // 4, salt, offset)``, so a sample
+depends on nothing but ``(seed, offset)`` and the row's values -- not on the batch, the launch
+configuration or a CUDA-graph replay:
+
+* ``seed``: an int (one stream for the batch, ``salt`` = the row), or an int64 tensor
+  ``[num_rows]`` (a seed per request, as vLLM's ``SamplingParams.seed``; ``salt`` = 0, so the
+  row's position in the batch does not matter) or ``[1]``;
+* ``offset``: an int or an int64 tensor ``[num_rows]`` / ``[1]`` (default 0); a decode loop
+  advances it each step (a device tensor it increments keeps a captured graph drawing fresh
+  numbers on every replay);
+* neither ``seed`` nor ``generator``: a seed is drawn on the device from torch's default CUDA
+  generator (``torch.randint``; graph-safe), for other arrays from NumPy's;
+* ``generator``: a ``torch.Generator`` the seed is drawn from, on its device.
+
+FlashInfer draws by rejection over pivots with a per-row cuRAND state, so its tokens differ
+from loomnb's for the same seed; both sample the same distribution. Rows with ``temperature <
+1e-5`` (vLLM's ``_SAMPLING_EPS``) take the argmax of the logits (the lowest index of the largest
+non-NaN value): greedy and random rows mix in one batch. NaN values are never kept; a row with
+nothing kept answers the argmax (0 when every value is NaN).
+
+Bytes: a sample reads each row 1 + 4 x (filters) + 1 times (the radix levels; from L2 after the
+first pass when the rows fit), writes 4 bytes a row; one block a row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _adapter as ad
+from .._dtypes import storage_dtype
+from ..checks import check_kind, check_ndim, check_same_device, check_shape
+from . import _contract as C
+from . import _launch as L
+from ._sampler_kernels import PenaltySpec, RowSpec, penalty_kernel, row_kernel
+from ._torch_ops import torch_op
+
+__all__ = ["top_k_top_p_sampling_from_logits", "top_k_top_p_sampling_from_probs",
+           "sampling_from_logits", "sampling_from_probs", "top_k_sampling_from_probs",
+           "top_p_sampling_from_probs", "min_p_sampling_from_probs", "top_k_mask_logits",
+           "top_k_renorm_probs", "top_p_renorm_probs", "apply_repetition_penalties_",
+           "apply_penalties_"]
+
+LOGITS_KINDS = ("f32", "bf16", "f16")
+THREADS = 512                 # threads of a row block (fewer for short rows)
+PENALTY_THREADS = 256
+MAX_VOCAB = 1 << 21           # mass sums stay below 2^53 (exact in float64)
+MAX_ROWS_PENALTY = 65535      # the penalty grid's y dimension
+ORDERS = ("top_k_first", "joint")
+
+
+# ---------------------------------------------------------------- checks
+def _rows(op, name, obj, kinds=LOGITS_KINDS):
+    a = ad.wrap(op, name, obj)
+    check_kind(op, name, a, kinds)
+    check_ndim(op, name, a, 2)
+    R, V = a.shape
+    if V < 1 or V > MAX_VOCAB:
+        C.fail_value(op, name, f"of shape [num_rows, vocab_size], 1 <= vocab_size <= {MAX_VOCAB}",
+                     f"shape {list(a.shape)}")
+    if R > 0 and V > 1 and a.strides[1] != 1:
+        C.fail_value(op, name, "contiguous in its last dimension (stride 1)",
+                     f"strides {a.strides} (in elements)")
+    return a
+
+
+def _per_row(op, name, value, like, kind, default):
+    """(array or None, scalar) of a per-row parameter: a number for every row, or a ``[num_rows]``
+    tensor of ``kind`` on ``like``'s device (the scalar is then ``default``, unused); None is
+    ``default``."""
+    if value is None:
+        return None, default
+    if isinstance(value, (bool, np.bool_, str, bytes)):
+        C.fail_type(op, name, "a number or a [num_rows] tensor", repr(value))
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        if kind == "i32":
+            return None, C.integer(op, name, value, -(1 << 31), (1 << 31) - 1,
+                                   expected="an int32 value (or a [num_rows] int32 tensor)")
+        return None, C.real(op, name, value, finite=False)
+    a = ad.wrap(op, name, value)
+    check_kind(op, name, a, (kind,))
+    check_shape(op, name, a, (like.shape[0],), "[num_rows]")
+    check_same_device(op, name, a, "logits/probs", like)
+    return a, default
+
+
+def _seed_arg(op, name, value, like):
+    """(array or None, int) of ``seed``/``offset``: an int, or an int64 tensor [num_rows] or [1]."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        v = int(value)
+        if not -(1 << 63) <= v < (1 << 64):
+            C.fail_value(op, name, "an int that fits 64 bits", repr(value))
+        return None, v - (1 << 64) if v >= (1 << 63) else v
+    if isinstance(value, (bool, np.bool_, float, np.floating, str, bytes)):
+        C.fail_type(op, name, "an int or an int64 tensor", repr(value))
+    a = ad.wrap(op, name, value)
+    check_kind(op, name, a, ("i64",))
+    check_ndim(op, name, a, 1)
+    if a.shape[0] not in (1, like.shape[0]):
+        C.fail_value(op, name, f"of shape [num_rows] ({like.shape[0]}) or [1]",
+                     f"shape {list(a.shape)}")
+    check_same_device(op, name, a, "logits/probs", like)
+    return a, 0
+
+
+def _draw_seed(op, like, generator):
+    """A seed drawn for this call: on the device from ``generator`` (or torch's default
+    generator), or from NumPy for arrays that are not torch tensors."""
+    if like.lib == "torch":
+        torch = ad._torch
+        return torch.randint(0, 1 << 62, (1,), dtype=torch.int64, device=like.obj.device,
+                             generator=generator), 0
+    return None, int(np.random.randint(0, 1 << 62))
+
+
+def _threads(V):
+    forced = L.forced_threads()
+    if forced is not None:
+        return forced
+    return min(THREADS, L.whole_warps(-(-V // 4)))
+
+
+def _launch_rows(op, spec, xa, ids, y, k, p, t, mp, seed, offset, generator, stream, key):
+    """Checks of the per-row parameters, then one launch of ``row_kernel(spec)``."""
+    R, V = xa.shape
+    ka, kv = _per_row(op, "top_k", k, xa, "i32", 0)
+    pa, pv = _per_row(op, "top_p", p, xa, "f32", 1.0)
+    ta, tv = _per_row(op, "temperature", t, xa, "f32", 1.0)
+    ma, mv = _per_row(op, "min_p", mp, xa, "f32", 0.0)
+    sa, sv, oa, ov = None, 0, None, 0
+    if spec.output == "sample":
+        torch = ad._torch
+        if generator is not None and (torch is None or not isinstance(generator, torch.Generator)
+                                      or xa.lib != "torch"):
+            C.fail_type(op, "generator", "a torch.Generator (with torch tensors) or None",
+                        repr(generator))
+        if seed is not None:
+            sa, sv = _seed_arg(op, "seed", seed, xa)
+        else:
+            sa, sv = _draw_seed(op, xa, generator)
+            if sa is not None:
+                sa = ad.wrap(op, "seed", sa)
+            key = None  # a fresh seed every call: nothing to replay
+        if offset is not None:
+            oa, ov = _seed_arg(op, "offset", offset, xa)
+    outs = {n: a for n, a in (("out", ids), ("out", y)) if a is not None}
+    C.no_overlap(op, outs, {spec.source: xa, "top_k": ka, "top_p": pa, "temperature": ta, "min_p": ma,
+                            "seed": sa, "offset": oa})
+    if R == 0:
+        return
+    per_row_seed = int(sa is not None and sa.shape[0] > 1)
+    params = [L.array(xa),
+              L.array(ids) if ids is not None else L.absent("int32", 1),
+              L.array(y) if y is not None else L.absent(
+                  "float32" if spec.output == "renorm" else storage_dtype(xa.kind), 2),
+              L.array(ka) if ka is not None else L.absent("int32", 1),
+              L.array(pa) if pa is not None else L.absent("float32", 1),
+              L.array(ta) if ta is not None else L.absent("float32", 1),
+              L.array(ma) if ma is not None else L.absent("float32", 1),
+              L.array(sa) if sa is not None else L.absent("int64", 1),
+              L.array(oa) if oa is not None else L.absent("int64", 1),
+              L.i64(kv), L.f32(pv), L.f32(tv), L.f32(mv), L.i64(sv), L.i64(ov),
+              L.i64(per_row_seed), L.i64(V)]
+    L.launch(row_kernel, spec, R, _threads(V), params, like=xa, stream=stream, key=key)
+
+
+def _order(op, filter_apply_order):
+    return C.choice(op, "filter_apply_order", filter_apply_order, ORDERS) == "joint"
+
+
+def _sample_op(op, source, x, k, p, t, mp, order, deterministic, generator, seed, offset, out,
+               stream, key):
+    xa = _rows(op, source, x, LOGITS_KINDS if source == "logits" else ("f32",))
+    C.flag(op, "deterministic", deterministic)
+    joint = _order(op, order)
+    ids = C.output(op, "out", out, like=xa, kind="i32", shape=(xa.shape[0],), like_name=source)
+    spec = RowSpec(xa.kind, source, "sample", joint)
+    _launch_rows(op, spec, xa, ids, None, k, p, t, mp, seed, offset, generator, stream, key)
+    return ids.obj
+
+
+def _fake_ids(x, *_, **__):
+    return x.new_empty((x.shape[0],), dtype=ad._torch.int32)
+
+
+def _fake_like(x, *_, **__):
+    return ad._torch.empty_like(x)
+
+
+def _fake_f32(x, *_, **__):
+    return x.new_empty(x.shape, dtype=ad._torch.float32)
+
+
+_SEEDS = "Generator? generator=None, Tensor|int? seed=None, Tensor|int? offset=None"
+
+_RAISES = """Raises ``LoomnbTypeError`` (a ``TypeError``) for a wrong dtype, a host or unknown
+    array or a parameter of the wrong type, ``LoomnbValueError`` (a ``ValueError``) for shapes,
+    layout, devices, overlapping or read-only outputs and unknown options -- before any launch.
+    Parameter values on the device (a top-k tensor...) are not read: any value is defined above.
+    Zero rows is a no-op."""
+
+_SAMPLING_ARGS = """deterministic: accepted for FlashInfer's signature; the sample is always
+            deterministic for a given seed.
+        generator: optional ``torch.Generator`` the seed is drawn from (when ``seed`` is None).
+        seed, offset: the Philox stream (module docstring): an int, or an int64 tensor
+            ``[num_rows]`` or ``[1]``.
+        out: optional ``[num_rows]`` int32 output; allocated when None.
+        stream: CUDA stream; default the caller's current stream."""
+
+
+# ---------------------------------------------------------------------------------------------
+@torch_op("Tensor logits, Tensor|int top_k, Tensor|float top_p, *, Tensor|float? temperature=None, "
+          "Tensor|float? min_p=None, str filter_apply_order='top_k_first', bool deterministic=True, "
+          + _SEEDS, outputs=("out",), fake=_fake_ids)
+def top_k_top_p_sampling_from_logits(logits, top_k, top_p, *, temperature=None, min_p=None,
+                                     filter_apply_order="top_k_first", deterministic=True,
+                                     generator=None, seed=None, offset=None, out=None,
+                                     stream=None, launch_key=None):
+    """Sample one token a row from ``softmax(logits / T)`` restricted by min-p, top-k and top-p.
+
+    ``out[r] = argmax_{i kept} (r32(logits[r, i] / T_r) + g_{r,i})`` (Gumbel-max, module
+    docstring), the kept set the prefix that survives min-p (``w_i = expf(r32(x_i / T) -
+    r32(x_max / T)) >= min_p``), top-k (values ``>=`` the ``k``-th largest) and top-p (the
+    smallest most-likely set reaching ``top_p`` of the top-k set's mass, or of the whole row's
+    with ``filter_apply_order="joint"``); rows with ``T < 1e-5`` take the argmax.
+
+    Args:
+        logits: ``[num_rows, vocab_size]`` fp32, bf16 or fp16, last dimension contiguous, any
+            row stride; ``vocab_size <= 2^21``. Not modified.
+        top_k: an int, or a ``[num_rows]`` int32 tensor; ``<= 0`` or ``>= vocab_size``: off.
+        top_p: a float, or a ``[num_rows]`` fp32 tensor; ``>= 1``: off.
+        temperature: optional float or ``[num_rows]`` fp32 tensor (default 1).
+        min_p: optional float or ``[num_rows]`` fp32 tensor (default 0: off).
+        filter_apply_order: ``"top_k_first"`` (default) or ``"joint"``.
+        {sampling_args}
+
+    Returns ``out``: ``[num_rows]`` int32 token ids. Mutates only ``out``.
+
+    {raises}
+
+    Matches FlashInfer 0.6.12's ``top_k_top_p_sampling_from_logits`` (its distribution, not its
+    tokens: FlashInfer samples by rejection from a cuRAND state) with vLLM's ``temperature`` and
+    ``min_p`` added, and vLLM 0.24's ``TopKTopPSampler`` for a batch of random and greedy rows.
+    """
+    return _sample_op("loomnb.top_k_top_p_sampling_from_logits", "logits", logits, top_k, top_p,
+                      temperature, min_p, filter_apply_order, deterministic, generator, seed,
+                      offset, out, stream, launch_key)
+
+
+@torch_op("Tensor probs, Tensor|int top_k, Tensor|float top_p, *, Tensor|float? min_p=None, "
+          "str filter_apply_order='top_k_first', bool deterministic=True, " + _SEEDS,
+          outputs=("out",), fake=_fake_ids)
+def top_k_top_p_sampling_from_probs(probs, top_k, top_p, *, min_p=None,
+                                    filter_apply_order="top_k_first", deterministic=True,
+                                    generator=None, seed=None, offset=None, out=None, stream=None,
+                                    launch_key=None):
+    """Sample one token a row from probabilities restricted by min-p, top-k and top-p.
+
+    ``out[r] = argmax_{i kept} (log p_{r,i} + g_{r,i})``; the kept set as
+    :func:`top_k_top_p_sampling_from_logits`, with ``w_i = r32(p_i * r32(1 / p_max))`` as the
+    mass and min-p keeping ``p_i >= r32(p_max * min_p)``. The probabilities need not sum to 1.
+
+    Args:
+        probs: ``[num_rows, vocab_size]`` fp32, non-negative, last dimension contiguous. Not
+            modified.
+        top_k, top_p, min_p, filter_apply_order: as :func:`top_k_top_p_sampling_from_logits`.
+        {sampling_args}
+
+    Returns ``out``: ``[num_rows]`` int32 token ids. Mutates only ``out``.
+
+    {raises}
+
+    Matches FlashInfer 0.6.12's ``top_k_top_p_sampling_from_probs`` (its distribution).
+    """
+    return _sample_op("loomnb.top_k_top_p_sampling_from_probs", "probs", probs, top_k, top_p,
+                      None, min_p, filter_apply_order, deterministic, generator, seed, offset,
+                      out, stream, launch_key)
+
+
+@torch_op("Tensor logits, *, Tensor|float? temperature=None, bool deterministic=True, " + _SEEDS,
+          outputs=("out",), fake=_fake_ids)
+def sampling_from_logits(logits, *, temperature=None, deterministic=True, generator=None,
+                         seed=None, offset=None, out=None, stream=None, launch_key=None):
+    """Sample one token a row from ``softmax(logits / T)``: ``argmax_i (r32(x_i / T) + g_i)``
+    (one pass a row; rows with ``T < 1e-5`` take the argmax).
+
+    Args:
+        logits: ``[num_rows, vocab_size]`` fp32, bf16 or fp16, last dimension contiguous.
+        temperature: optional float or ``[num_rows]`` fp32 tensor (default 1).
+        {sampling_args}
+
+    Returns ``out``: ``[num_rows]`` int32 token ids. Mutates only ``out``.
+
+    {raises}
+
+    Matches FlashInfer 0.6.12's ``sampling_from_logits`` (its distribution).
+    """
+    return _sample_op("loomnb.sampling_from_logits", "logits", logits, None, None, temperature,
+                      None, "top_k_first", deterministic, generator, seed, offset, out, stream,
+                      launch_key)
+
+
+@torch_op("Tensor probs, *, bool deterministic=True, " + _SEEDS, outputs=("out",),
+          fake=_fake_ids)
+def sampling_from_probs(probs, *, deterministic=True, generator=None, seed=None, offset=None,
+                        out=None, stream=None, launch_key=None):
+    """Sample one token a row with probability ``p_i / sum(p)``: ``argmax_i (log p_i + g_i)``.
+
+    Args:
+        probs: ``[num_rows, vocab_size]`` fp32, non-negative, last dimension contiguous.
+        {sampling_args}
+
+    Returns ``out``: ``[num_rows]`` int32 token ids. Mutates only ``out``.
+
+    {raises}
+
+    Matches FlashInfer 0.6.12's ``sampling_from_probs`` (its distribution).
+    """
+    return _sample_op("loomnb.sampling_from_probs", "probs", probs, None, None, None, None,
+                      "top_k_first", deterministic, generator, seed, offset, out, stream,
+                      launch_key)
+
+
+@torch_op("Tensor probs, Tensor|int top_k, *, bool deterministic=True, " + _SEEDS,
+          outputs=("out",), fake=_fake_ids)
+def top_k_sampling_from_probs(probs, top_k, *, deterministic=True, generator=None, seed=None,
+                              offset=None, out=None, stream=None, launch_key=None):
+    """Sample one token a row from the ``top_k`` most likely (ties at the boundary kept).
+
+    Args:
+        probs: ``[num_rows, vocab_size]`` fp32, non-negative, last dimension contiguous.
+        top_k: an int or a ``[num_rows]`` int32 tensor; ``<= 0`` or ``>= vocab_size``: off.
+        {sampling_args}
+
+    Returns ``out``: ``[num_rows]`` int32 token ids. Mutates only ``out``.
+
+    {raises}
+
+    Matches FlashInfer 0.6.12's ``top_k_sampling_from_probs`` (its distribution).
+    """
+    return _sample_op("loomnb.top_k_sampling_from_probs", "probs", probs, top_k, None, None,
+                      None, "top_k_first", deterministic, generator, seed, offset, out, stream,
+                      launch_key)
+
+
+@torch_op("Tensor probs, Tensor|float top_p, *, bool deterministic=True, " + _SEEDS,
+          outputs=("out",), fake=_fake_ids)
+def top_p_sampling_from_probs(probs, top_p, *, deterministic=True, generator=None, seed=None,
+                              offset=None, out=None, stream=None, launch_key=None):
+    """Sample one token a row from the smallest most-likely set whose mass reaches ``top_p``.
+
+    Args:
+        probs: ``[num_rows, vocab_size]`` fp32, non-negative, last dimension contiguous.
+        top_p: a float or a ``[num_rows]`` fp32 tensor; ``>= 1``: off.
+        {sampling_args}
+
+    Returns ``out``: ``[num_rows]`` int32 token ids. Mutates only ``out``.
+
+    {raises}
+
+    Matches FlashInfer 0.6.12's ``top_p_sampling_from_probs`` (its distribution).
+    """
+    return _sample_op("loomnb.top_p_sampling_from_probs", "probs", probs, None, top_p, None,
+                      None, "top_k_first", deterministic, generator, seed, offset, out, stream,
+                      launch_key)
+
+
+@torch_op("Tensor probs, Tensor|float min_p, *, bool deterministic=True, " + _SEEDS,
+          outputs=("out",), fake=_fake_ids)
+def min_p_sampling_from_probs(probs, min_p, *, deterministic=True, generator=None, seed=None,
+                              offset=None, out=None, stream=None, launch_key=None):
+    """Sample one token a row from the tokens with ``p >= r32(p_max * min_p)``.
+
+    Args:
+        probs: ``[num_rows, vocab_size]`` fp32, non-negative, last dimension contiguous.
+        min_p: a float or a ``[num_rows]`` fp32 tensor; ``<= 0``: off.
+        {sampling_args}
+
+    Returns ``out``: ``[num_rows]`` int32 token ids. Mutates only ``out``.
+
+    {raises}
+
+    Matches FlashInfer 0.6.12's ``min_p_sampling_from_probs`` (its distribution; the same
+    kept set, ``p >= p_max * min_p``).
+    """
+    return _sample_op("loomnb.min_p_sampling_from_probs", "probs", probs, None, None, None,
+                      min_p, "top_k_first", deterministic, generator, seed, offset, out, stream,
+                      launch_key)
+
+
+@torch_op("Tensor logits, Tensor|int top_k", outputs=("out",), fake=_fake_like)
+def top_k_mask_logits(logits, top_k, *, out=None, stream=None, launch_key=None):
+    """The logits with every token outside the top-k set at ``-inf``: ``out[r, i] = x`` where
+    ``x = logits[r, i] >=`` the row's ``k``-th largest value (ties kept), else ``-inf`` (NaN
+    included).
+
+    Args:
+        logits: ``[num_rows, vocab_size]`` fp32, bf16 or fp16, last dimension contiguous.
+        top_k: an int or a ``[num_rows]`` int32 tensor; ``<= 0`` or ``>= vocab_size``: the row
+            is copied (NaN as ``-inf``).
+        out: optional ``[num_rows, vocab_size]`` output of the logits' dtype; allocated when None.
+        stream: CUDA stream; default the caller's current stream.
+
+    Returns ``out``. Mutates only ``out``.
+
+    {raises}
+
+    Matches FlashInfer 0.6.12's ``top_k_mask_logits`` (ties at the k-th value are kept here).
+    """
+    op = "loomnb.top_k_mask_logits"
+    xa = _rows(op, "logits", logits)
+    y = C.output(op, "out", out, like=xa, kind=xa.kind, shape=xa.shape, like_name="logits")
+    _launch_rows(op, RowSpec(xa.kind, "logits", "mask"), xa, None, y, top_k, None, None, None,
+                 None, None, None, stream, launch_key)
+    return y.obj
+
+
+def _renorm_op(op, probs, k, p, out, stream, key):
+    xa = _rows(op, "probs", probs, ("f32",))
+    y = C.output(op, "out", out, like=xa, kind="f32", shape=xa.shape, like_name="probs")
+    _launch_rows(op, RowSpec("f32", "probs", "renorm"), xa, None, y, k, p, None, None, None,
+                 None, None, stream, key)
+    return y.obj
+
+
+@torch_op("Tensor probs, Tensor|int top_k", outputs=("out",), fake=_fake_f32)
+def top_k_renorm_probs(probs, top_k, *, out=None, stream=None, launch_key=None):
+    """The probabilities of the top-k set renormalised: ``out[r, i] = r32(p_i / r32(S))`` for the
+    kept tokens (``S`` their float64 sum), 0 elsewhere (NaN included).
+
+    Args:
+        probs: ``[num_rows, vocab_size]`` fp32, last dimension contiguous. Not modified.
+        top_k: an int or a ``[num_rows]`` int32 tensor; ``<= 0`` or ``>= vocab_size``: off.
+        out: optional ``[num_rows, vocab_size]`` fp32 output; allocated when None.
+        stream: CUDA stream; default the caller's current stream.
+
+    Returns ``out``. Mutates only ``out``.
+
+    {raises}
+
+    Matches FlashInfer 0.6.12's ``top_k_renorm_probs`` (its sum is fp32).
+    """
+    return _renorm_op("loomnb.top_k_renorm_probs", probs, top_k, None, out, stream, launch_key)
+
+
+@torch_op("Tensor probs, Tensor|float top_p", outputs=("out",), fake=_fake_f32)
+def top_p_renorm_probs(probs, top_p, *, out=None, stream=None, launch_key=None):
+    """The probabilities of the top-p set renormalised: ``out[r, i] = r32(p_i / r32(S))`` for
+    the kept tokens, 0 elsewhere.
+
+    Args:
+        probs: ``[num_rows, vocab_size]`` fp32, last dimension contiguous. Not modified.
+        top_p: a float or a ``[num_rows]`` fp32 tensor; ``>= 1``: off.
+        out: optional ``[num_rows, vocab_size]`` fp32 output; allocated when None.
+        stream: CUDA stream; default the caller's current stream.
+
+    Returns ``out``. Mutates only ``out``.
+
+    {raises}
+
+    Matches FlashInfer 0.6.12's ``top_p_renorm_probs`` (its sum is fp32).
+    """
+    return _renorm_op("loomnb.top_p_renorm_probs", probs, None, top_p, out, stream, launch_key)
+
+
+# ---------------------------------------------------------------- penalties
+def _launch_penalty(op, spec, la, pm, om, rep, freq, pres, stream, key):
+    R, V = la.shape
+    if R == 0:
+        return
+    threads = L.forced_threads() or PENALTY_THREADS
+    params = [L.array(la), L.array(pm), L.array(om), L.array(rep),
+              L.array(freq) if freq is not None else L.absent("float32", 1),
+              L.array(pres) if pres is not None else L.absent("float32", 1), L.i64(V)]
+    L.launch(penalty_kernel, spec, (-(-V // threads), R), threads, params, like=la,
+             stream=stream, key=key)
+
+
+def _mask(op, name, obj, la, kinds=("bool",)):
+    a = ad.wrap(op, name, obj)
+    check_kind(op, name, a, kinds)
+    check_shape(op, name, a, la.shape, "[num_seqs, vocab_size], the logits' shape")
+    check_same_device(op, name, a, "logits", la)
+    return a
+
+
+def _per_seq(op, name, obj, la, kind):
+    a = ad.wrap(op, name, obj)
+    check_kind(op, name, a, (kind,))
+    check_shape(op, name, a, (la.shape[0],), "[num_seqs]")
+    check_same_device(op, name, a, "logits", la)
+    return a
+
+
+def _penalty_logits(op, logits, kinds):
+    la = _rows(op, "logits", logits, kinds)
+    if la.shape[0] > MAX_ROWS_PENALTY:
+        C.fail_value(op, "logits", f"at most {MAX_ROWS_PENALTY} rows (num_seqs)",
+                     f"shape {list(la.shape)}")
+    C.writable(op, {"logits": la})
+    return la
+
+
+@torch_op("Tensor(a!) logits, Tensor prompt_mask, Tensor output_mask, Tensor repetition_penalties")
+def apply_repetition_penalties_(logits, prompt_mask, output_mask, repetition_penalties, *,
+                                stream=None, launch_key=None):
+    """Repetition penalties in place, vLLM's CUDA op: for the tokens seen in the prompt or the
+    output (``prompt_mask | output_mask``), ``x / r`` where ``x > 0`` and ``x * r`` elsewhere,
+    computed in float32 and rounded once to the logits' dtype; other tokens untouched.
+
+    Args:
+        logits: ``[num_seqs, vocab_size]`` fp32, bf16 or fp16, last dimension contiguous,
+            writable; at most 65,535 rows. Mutated in place.
+        prompt_mask, output_mask: ``[num_seqs, vocab_size]`` bool.
+        repetition_penalties: ``[num_seqs]`` of the logits' dtype (vLLM's op takes that dtype).
+        stream: CUDA stream; default the caller's current stream.
+
+    Returns None. Mutates ``logits``.
+
+    {raises}
+
+    Matches vLLM 0.24's ``apply_repetition_penalties_`` (``csrc/sampler.cu``), bit for bit.
+    """
+    op = "loomnb.apply_repetition_penalties_"
+    la = _penalty_logits(op, logits, LOGITS_KINDS)
+    pm = _mask(op, "prompt_mask", prompt_mask, la)
+    om = _mask(op, "output_mask", output_mask, la)
+    rp = _per_seq(op, "repetition_penalties", repetition_penalties, la, la.kind)
+    C.no_overlap(op, {"logits": la}, {"prompt_mask": pm, "output_mask": om,
+                                      "repetition_penalties": rp})
+    _launch_penalty(op, PenaltySpec(la.kind, "repetition"), la, pm, om, rp, None, None, stream,
+                    launch_key)
+
+
+@torch_op("Tensor(a!) logits, Tensor prompt_token_mask, Tensor output_token_counts, "
+          "Tensor repetition_penalties, Tensor frequency_penalties, Tensor presence_penalties",
+          returns=("logits",))
+def apply_penalties_(logits, prompt_token_mask, output_token_counts, repetition_penalties,
+                     frequency_penalties, presence_penalties, *, stream=None, launch_key=None):
+    """vLLM's three penalties in place, in its order, one pass:
+
+    ``x = seen ? (x > 0 ? x / rep : x * rep) : x`` with ``seen = prompt_token_mask | counts > 0``,
+    then ``x = r32(x - r32(freq * r32(counts)))`` and ``x = r32(x - r32(pres * (counts > 0)))``
+    (OpenAI's frequency and presence penalties), per-row parameters; every token is rewritten
+    (``0 * inf`` gives NaN, as torch's in-place arithmetic does).
+
+    Args:
+        logits: ``[num_seqs, vocab_size]`` fp32 (the sampler's logits), last dimension
+            contiguous, writable; at most 65,535 rows. Mutated in place.
+        prompt_token_mask: ``[num_seqs, vocab_size]`` bool, the tokens of the prompt.
+        output_token_counts: ``[num_seqs, vocab_size]`` int32 or int64, each token's count in
+            the output so far.
+        repetition_penalties, frequency_penalties, presence_penalties: ``[num_seqs]`` fp32
+            (1, 0 and 0 leave a row unchanged).
+        stream: CUDA stream; default the caller's current stream.
+
+    Returns ``logits``. Mutates ``logits``.
+
+    {raises}
+
+    Matches vLLM 0.24's ``apply_penalties`` (``model_executor/layers/utils.py``: the repetition
+    CUDA op, then the in-place fp32 subtractions), bit for bit; vLLM builds the mask and counts
+    from token lists (``get_token_bin_counts_and_mask``), loomnb takes them built.
+    """
+    op = "loomnb.apply_penalties_"
+    la = _penalty_logits(op, logits, ("f32",))
+    pm = _mask(op, "prompt_token_mask", prompt_token_mask, la)
+    ca = _mask(op, "output_token_counts", output_token_counts, la, ("i32", "i64"))
+    rp = _per_seq(op, "repetition_penalties", repetition_penalties, la, "f32")
+    fr = _per_seq(op, "frequency_penalties", frequency_penalties, la, "f32")
+    pr = _per_seq(op, "presence_penalties", presence_penalties, la, "f32")
+    C.no_overlap(op, {"logits": la}, {"prompt_token_mask": pm, "output_token_counts": ca,
+                                      "repetition_penalties": rp, "frequency_penalties": fr,
+                                      "presence_penalties": pr})
+    _launch_penalty(op, PenaltySpec("f32", "all", ca.kind), la, pm, ca, rp, fr, pr, stream,
+                    launch_key)
+    return logits
+
+
+for _op in (top_k_top_p_sampling_from_logits, top_k_top_p_sampling_from_probs,
+            sampling_from_logits, sampling_from_probs, top_k_sampling_from_probs,
+            top_p_sampling_from_probs, min_p_sampling_from_probs, top_k_mask_logits,
+            top_k_renorm_probs, top_p_renorm_probs, apply_repetition_penalties_,
+            apply_penalties_):
+    _op.__doc__ = _op.__doc__.replace("{raises}", _RAISES).replace("{sampling_args}",
+                                                                   _SAMPLING_ARGS)
+del _op

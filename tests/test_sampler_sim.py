@@ -1,0 +1,150 @@
+"""The sampler kernels under numba's CUDA simulator against the oracle: tokens, masks and
+penalties bit for bit (the simulator's ``exp``/``log`` round as the oracle's), renormalised
+probabilities within an ulp (their float64 sum is a block reduction, the oracle's a NumPy sum).
+
+One batch carries several configurations through per-row tensors (top-k, top-p, temperature,
+min-p, greedy rows), so each launch checks many; the edge rows of the distribution contract
+(NaN, a single finite logit, ties at the top-k boundary, ``top_k > V``, ``top_p = 0``, equal
+probabilities) and the seed's contract (a per-request seed gives a request the same token
+wherever it sits in the batch; another offset another stream) follow. Shapes stay tiny: the
+simulator runs every barrier of the radix select in Python threads.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import loomnb
+from helpers import assert_ulps
+from tolerances import ulps
+from loomnb.oracle import sampler as O
+
+from family import assert_bits, block_size_sweep, call_both, out_given_and_not
+
+pytestmark = pytest.mark.sim
+DT = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}
+
+
+def logits(rng, R, V, kind="f32", scale=2.0):
+    return (rng.standard_normal((R, V)) * scale).astype(DT[kind])
+
+
+def probs_of(x):
+    e = np.exp(x.astype(np.float64) - x.astype(np.float64).max(1, keepdims=True))
+    return (e / e.sum(1, keepdims=True)).astype(np.float32)
+
+
+ROWS = dict(top_k=np.array([5, 0, 8, 40, 3], np.int32),
+            top_p=np.array([1.0, 0.7, 0.5, 0.9, 0.0], np.float32),
+            temperature=np.array([1.0, 0.8, 1.4, 0.0, 1.0], np.float32),
+            min_p=np.array([0.0, 0.0, 0.05, 0.0, 0.2], np.float32))
+
+
+@pytest.mark.parametrize("kind", ["f32", "bf16"])
+def test_top_k_top_p_from_logits_per_row_configs(kind):
+    x = logits(np.random.default_rng(1), 5, 37, kind)
+    got, want, _, _ = call_both("top_k_top_p_sampling_from_logits", x, ROWS["top_k"],
+                                ROWS["top_p"], temperature=ROWS["temperature"],
+                                min_p=ROWS["min_p"], seed=1234, offset=7)
+    assert_bits(got, want, kind)
+    assert got[3] == np.argmax(x[3].astype(np.float32)), "temperature 0: the argmax"
+
+
+def test_joint_order_and_scalar_parameters():
+    x = logits(np.random.default_rng(2), 3, 29, "f16")
+    got, want, _, _ = call_both("top_k_top_p_sampling_from_logits", x, 6, 0.6,
+                                filter_apply_order="joint", seed=5)
+    assert_bits(got, want, "joint")
+
+
+@pytest.mark.parametrize("name, args", [
+    ("top_k_top_p_sampling_from_probs", (7, 0.8)), ("sampling_from_probs", ()),
+    ("top_k_sampling_from_probs", (4,)), ("top_p_sampling_from_probs", (0.6,)),
+    ("min_p_sampling_from_probs", (0.15,))])
+def test_from_probs(name, args):
+    p = probs_of(logits(np.random.default_rng(3), 3, 33))
+    got, want, _, _ = call_both(name, p, *args, seed=np.array([3, 4, 5], np.int64))
+    assert_bits(got, want, name)
+
+
+def test_mask_and_renorm():
+    rng = np.random.default_rng(4)
+    x = logits(rng, 3, 41, "bf16")
+    got, want, _, _ = call_both("top_k_mask_logits", x, np.array([3, 0, 50], np.int32))
+    assert_bits(got, want, "mask")
+    assert (got[0] != -np.inf).sum() == 3 and (got[1] != -np.inf).all()
+    p = probs_of(logits(rng, 3, 41))
+    for name, arg in (("top_k_renorm_probs", 5), ("top_p_renorm_probs", 0.7)):
+        got, want, _, _ = call_both(name, p, arg)
+        assert_ulps(got, want, ulps("sampler_renorm", "f32"), name)
+        assert np.allclose(got.sum(1), 1, atol=1e-6)
+
+
+def test_edge_rows():
+    V = 24
+    x = np.linspace(2, -2, V, dtype=np.float32)[None].repeat(6, 0)
+    x[0, ::3] = np.nan                       # NaN never sampled
+    x[1, :] = -np.inf
+    x[1, 17] = 0.5                           # one finite logit
+    x[2, [4, 9, 13]] = 5.0                   # a three-way tie at the top, top_k = 2: all kept
+    x[3, :] = 1.0                            # all equal, top_p = 0: ties with the top kept
+    x[5, :] = np.nan                         # nothing can be kept
+    k = np.array([0, 3, 2, 0, 30, 0], np.int32)   # row 4: top_k > V
+    p = np.array([1.0, 0.5, 1.0, 0.0, 0.9, 0.5], np.float32)
+    got, want, _, _ = call_both("top_k_top_p_sampling_from_logits", x, k, p, seed=9)
+    assert_bits(got, want, "edges")
+    assert not np.isnan(x[0, got[0]]) and got[1] == 17 and got[2] in (4, 9, 13)
+    assert got[5] == 0
+
+
+def test_a_request_keeps_its_token_wherever_it_sits_in_the_batch():
+    x = logits(np.random.default_rng(5), 4, 31)
+    seeds = np.array([11, 12, 13, 14], np.int64)
+    a = loomnb.top_k_top_p_sampling_from_logits(x, 10, 0.9, seed=seeds, offset=3)
+    perm = np.array([2, 0, 3, 1])
+    b = loomnb.top_k_top_p_sampling_from_logits(x[perm].copy(), 10, 0.9, seed=seeds[perm],
+                                                offset=3)
+    assert np.array_equal(a[perm], b)
+    assert np.array_equal(a, O.top_k_top_p_sampling_from_logits(x, 10, 0.9, seed=seeds, offset=3))
+    g3 = O.token_gumbels(31, 11, 3, 0)  # another offset: another stream
+    g4 = O.token_gumbels(31, 11, 4, 0)
+    assert not np.array_equal(g3, g4)
+
+
+@pytest.mark.parametrize("kind", ["f32", "bf16"])
+def test_repetition_penalties(kind):
+    rng = np.random.default_rng(6)
+    x = logits(rng, 3, 45, kind, 3.0)
+    x[0, :3] = [np.inf, -np.inf, np.nan]
+    pm, om = rng.random((3, 45)) < 0.3, rng.random((3, 45)) < 0.3
+    rep = np.array([1.3, 1.0, 0.6], DT[kind])
+    got, want, a1, a2 = call_both("apply_repetition_penalties_", x, pm, om, rep)
+    assert_bits(a1[0], a2[0], kind)
+    assert not np.array_equal(a1[0].view(np.uint8), x.view(np.uint8))
+
+
+@pytest.mark.parametrize("counts", ["int32", "int64"])
+def test_penalties(counts):
+    rng = np.random.default_rng(7)
+    x = logits(rng, 3, 45, "f32", 3.0)
+    pm = rng.random((3, 45)) < 0.2
+    c = np.where(rng.random((3, 45)) < 0.3, rng.integers(1, 4, (3, 45)), 0).astype(counts)
+    rep = np.array([1.2, 1.0, 0.8], np.float32)
+    freq = np.array([0.1, 0.0, -0.4], np.float32)
+    pres = np.array([0.3, 0.0, np.inf], np.float32)
+    got, want, a1, a2 = call_both("apply_penalties_", x, pm, c, rep, freq, pres)
+    assert_bits(got, want, counts)
+    assert got is a1[0]
+
+
+def test_block_size_and_out():
+    x = logits(np.random.default_rng(8), 2, 150)
+    want = O.top_k_top_p_sampling_from_logits(x, 20, 0.8, seed=77)
+
+    def call():
+        return loomnb.top_k_top_p_sampling_from_logits(x, 20, 0.8, seed=77)
+
+    block_size_sweep(call, lambda g, w: assert_bits(g, want, w), threads=(32, 64))
+    out_given_and_not(lambda out: loomnb.top_k_top_p_sampling_from_logits(x, 20, 0.8, seed=77,
+                                                                         out=out),
+                      lambda: np.empty(2, np.int32))
