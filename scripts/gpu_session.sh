@@ -89,8 +89,8 @@
 #                                   # and op cases, memcheck over them, its benchmark vs vLLM's _moe_C
 #   bash scripts/gpu_session.sh SAMPLER  # after the last bundle of numpy,vllm,flashinfer: the
 #                                   # sampler family's registers, GPU tests and op cases, memcheck,
-#                                   # notebook 07's GPU run (FlashInfer compiles meanwhile)
-#   bash scripts/gpu_session.sh SAMPLER_BENCH  # right after: its benchmark vs FlashInfer and vLLM
+#                                   # (FlashInfer compiles meanwhile)
+#   bash scripts/gpu_session.sh SAMPLER_BENCH  # right after: notebook 07's GPU run, the benchmark
 #   bash scripts/gpu_session.sh Y [CMD]  # after X, with each later bundle: run CMD, then collect the
 #                                   # detached runs' logs so far
 # Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
@@ -269,7 +269,7 @@ elif [ "$part" = MOE ]; then  # the moe family: its GPU file (vLLM's _moe_C ops 
   grep -E "ERROR SUMMARY|passed|rc=" "$R/memcheck_moe.log"; tail -40 "$R/bench.log"
   exit 0
 elif [ "$part" = SAMPLER ]; then  # the sampler family: registers, its GPU file and every op case's
-  # zero-size, property and no-recompile checks, memcheck, the notebook's GPU run; FlashInfer's
+  # zero-size, property and no-recompile checks, memcheck; FlashInfer's
   # sampling modules JIT-compile in the background meanwhile (nvcc on the CPU), for SAMPLER_BENCH
   mkdir -p /tmp/res_bg
   nohup python3 -c "
@@ -299,18 +299,19 @@ PY
     -k "($sel) and not distribution and not compile" \
     -p no:cacheprovider > "$R/memcheck_sampler.log" 2>&1
   echo "memcheck rc=$?" >> "$R/memcheck_sampler.log"
-  timeout 120 python3 scripts/run_notebooks.py --gpu --out "$R/notebooks" notebooks/07_sampler.ipynb \
-    > "$R/notebooks.log" 2>&1
-  echo "notebooks rc=$?" >> "$R/notebooks.log"
   tar czf "$OUT/session_SAMPLER.tgz" -C "$R" .
   cat "$R/registers.log" | tail -20
   tail -n 3 "$R/pytest_sampler.log"; grep -hE "^(FAILED|ERROR) " "$R"/pytest_*.log | head -30
-  grep -E "ERROR SUMMARY|passed|rc=" "$R/memcheck_sampler.log"; tail -2 "$R/notebooks.log"
+  grep -E "ERROR SUMMARY|passed|rc=" "$R/memcheck_sampler.log"
   tail -3 /tmp/res_bg/flashinfer_warm.log
   exit 0
 elif [ "$part" = SAMPLER_BENCH ]; then  # right after SAMPLER: the sampler benchmark (FlashInfer warm)
   for _ in $(seq 60); do grep -q "flashinfer warm\|Error" /tmp/res_bg/flashinfer_warm.log 2>/dev/null && break; sleep 5; done
   tail -2 /tmp/res_bg/flashinfer_warm.log
+  timeout 120 python3 scripts/run_notebooks.py --gpu --out "$R/notebooks" notebooks/07_sampler.ipynb \
+    > "$R/notebooks.log" 2>&1
+  echo "notebooks rc=$?" >> "$R/notebooks.log"
+  tail -2 "$R/notebooks.log"
   mkdir -p "$R/bench"
   timeout "${BENCH_LIMIT:-420}" python3 benchmarks/bench_sampler.py --vllm-lib "$LOOMNB_VLLM_LIB" \
     --out "$R/bench" ${BENCH_ARGS:-} > "$R/bench.log" 2>&1

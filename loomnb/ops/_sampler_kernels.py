@@ -10,9 +10,12 @@ read from L2 after the first). Every filter keeps a prefix of the row's tokens i
 order of their ordered 32-bit key (the float's bits made unsigned-monotone: ``+-0`` as one key,
 NaN below everything and never kept), so each filter is a threshold on that key, found by a
 radix select: four levels of 8-bit digits, most significant first; at each level the block
-histograms the digit of the elements whose higher digits equal the prefix found so far (per-
-warp-group copies of the 256 bins in shared memory, then summed), and a block scan from the top
-bin finds the bin where the running total first reaches the target.
+histograms the digit of the elements whose higher digits equal the prefix found so far, and a
+block scan from the top bin finds the bin where the running total first reaches the target.
+The histogram has 16 copies of the 256 bins in shared memory, lane ``l`` of every warp adding to
+copy ``l % 16`` (a copy's stride of 257 entries puts one bin of different copies in different
+banks), so the lanes of a warp that hit the same bin -- most of them at the first level, where
+a row's values share a few exponents -- add to different words; the copies are summed after.
 
 * top-k: the weight is 1 and the target ``k``: the threshold is the ``k``-th largest key, and
   every element with that key is kept (ties at the boundary too).
@@ -57,8 +60,9 @@ SOURCES = ("logits", "probs")
 OUTPUTS = ("sample", "mask", "renorm")
 BINS = 256          # radix digit: 8 bits
 LEVELS = 4          # 32-bit keys
-COPIES = 4          # histogram copies (warp w adds to copy w % COPIES)
-HIST = COPIES * BINS
+COPIES = 16         # histogram copies: lane l adds to copy l % COPIES
+STRIDE = BINS + 1   # a copy's stride (int64 entries): copies of one bin fall in different banks
+HIST = COPIES * STRIDE
 MASS_SCALE = 4294967296.0   # 2^32: the fixed point of a token's mass
 SAMPLING_EPS = 1e-5         # vLLM's _SAMPLING_EPS: a lower temperature is greedy
 NO_BIN = 1 << 20
@@ -187,7 +191,7 @@ def row_kernel(spec):
         with key ``>= lo``; ``lo`` if there are none."""
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
-        copy = (tid >> 5) & (COPIES - 1)
+        copy = (tid & 31) & (COPIES - 1)
         prefix = uint32(0)
         pmask = uint32(0)
         base = int64(0)
@@ -205,13 +209,14 @@ def row_kernel(spec):
                     if mass:
                         w = int64(weight(v, xm, sm, t, inv) * float32(MASS_SCALE))
                     if w > 0:
-                        cuda.atomic.add(hist, copy * BINS + int32((key >> shift) & uint32(255)), w)
+                        cuda.atomic.add(hist, copy * STRIDE + int32((key >> shift) & uint32(255)),
+                                        w)
             cuda.syncthreads()
             own = int64(0)
             for b in range(tid, BINS, nt):
                 s = int64(0)
                 for c in range(COPIES):
-                    s += hist[c * BINS + b]
+                    s += hist[c * STRIDE + b]
                 tot[b] = s
                 own += s
             if mass and level == 0:
