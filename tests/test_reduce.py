@@ -13,11 +13,12 @@ shuffles, ``shfl.sync.up`` and one barrier): the GPU path is what the simulator 
 
 import numpy as np
 import pytest
-from numba import cuda, float32, float64, int64
+from numba import cuda, float32, float64, int64, uint64
 
 from conftest import HAS_GPU, SIM
-from loomnb.ops._reduce import (REDUCE_SCRATCH, block_argmax, block_max, block_min, block_scan,
-                                block_sum64, fadd, fmax_nan, group_argmax, group_reduce, group_scan)
+from loomnb.ops._reduce import (REDUCE_SCRATCH, block_argmax, block_max, block_max_u64, block_min,
+                                block_scan, block_sum64, fadd, fmax_nan, group_argmax, group_reduce,
+                                group_scan, key_index, order_key)
 
 
 @cuda.jit
@@ -29,6 +30,7 @@ def _block_kernel(vals, out):
     smin = cuda.shared.array(REDUCE_SCRATCH, float32)
     sav = cuda.shared.array(REDUCE_SCRATCH, float32)
     sai = cuda.shared.array(REDUCE_SCRATCH, int64)
+    sk = cuda.shared.array(REDUCE_SCRATCH, uint64)
     v = vals[b, t]
     s = block_sum64(float64(v), s64)
     mx = block_max(v, smax)
@@ -39,6 +41,7 @@ def _block_kernel(vals, out):
     out[b, t, 2] = mn
     out[b, t, 3] = av
     out[b, t, 4] = ai
+    out[b, t, 5] = key_index(block_max_u64(order_key(v, t), sk))  # the argmax as one key
 
 
 def _make_group_kernel(width):
@@ -78,7 +81,7 @@ def _back(a):
 def _check_block(threads):
     rng = np.random.default_rng(threads)
     v = _values(rng, 3, threads)
-    out = _to(np.zeros((3, threads, 5), np.float64))
+    out = _to(np.zeros((3, threads, 6), np.float64))
     _block_kernel[3, threads](_to(v), out)
     o = _back(out)
     for b in range(3):
@@ -87,6 +90,7 @@ def _check_block(threads):
         np.testing.assert_allclose(o[b, 0, 0], row.astype(np.float64).sum(), rtol=1e-12)  # NaN == NaN here
         assert o[b, 0, 1] == np.nanmax(row) and o[b, 0, 2] == np.nanmin(row), "NaN ignored, no 0 padding"
         want_i = int(np.argmax(np.where(np.isnan(row), np.inf, row)))  # NaN is the largest, first wins
+        assert np.all(o[b, :, 5] == want_i), "block_max_u64 of order keys: the same argmax"
         assert o[b, 0, 4] == want_i and (np.isnan(o[b, 0, 3]) if np.isnan(row).any() else o[b, 0, 3] == row[want_i])
 
 

@@ -414,6 +414,23 @@ else:
 block_sum64 = block_reduce(fadd, float64)   # float64 sum over the block
 block_max = block_reduce(fmax_nan, float32)  # fmaxf over the block (NaN ignored)
 block_min = block_reduce(fmin_nan, float32)  # fminf over the block (NaN ignored)
+_warp_max_u64 = group_max_u64(32)
+
+
+@cuda.jit(device=True)
+def block_max_u64(k, scratch):
+    """The largest uint64 ``k`` (an :func:`order_key`: a block argmax in one value) of the block
+    in every thread: each warp's (:func:`group_max_u64`), then the warps' in warp order through
+    ``scratch``, a ``cuda.shared.array(REDUCE_SCRATCH, uint64)``; one barrier, as
+    ``block_reduce`` (shuffles carry 32 or 64 bits, so ``block_reduce`` takes no uint64)."""
+    k = _warp_max_u64(k)
+    if (cuda.threadIdx.x & 31) == 0:
+        scratch[cuda.threadIdx.x >> 5] = k
+    cuda.syncthreads()
+    best = scratch[0]
+    for w in range(1, cuda.blockDim.x >> 5):
+        best = umax(best, scratch[w])
+    return best
 
 
 # ---------------------------------------------------------------- prefix sums (scans)

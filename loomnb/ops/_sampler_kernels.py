@@ -50,7 +50,7 @@ from .._numba_internals import device
 from ..layouts.dtypes import f32_bits
 from . import _launch as L
 from ._philox import gumbel, philox
-from ._reduce import (REDUCE_SCRATCH, block_reduce, block_scan, group_max_u64, imin,
+from ._reduce import (REDUCE_SCRATCH, block_max_u64, block_reduce, block_scan, imin,
                       key_index, key_value, order_key, umax)
 from ._sampling_rows import _loader
 from ._vector import CODECS
@@ -119,26 +119,11 @@ def _max_i64(a, b):
     return a if a > b else b
 
 
-_warp_max_key = group_max_u64(32)
 _block_sum_i64 = block_reduce(_add_i64, int64)
 _block_sum_f64 = block_reduce(_add_f64, float64)
 _block_min_i64 = block_reduce(imin, int64)
 _block_max_i64 = block_reduce(_max_i64, int64)
 _block_scan_i64 = block_scan(int64)
-
-
-@cuda.jit(device=True)
-def _block_max_key(k, scratch):
-    """The largest uint64 key of the block in every thread (warp maxima, then the warps in
-    order through ``scratch``, a ``REDUCE_SCRATCH`` uint64 shared array)."""
-    k = _warp_max_key(k)
-    if (cuda.threadIdx.x & 31) == 0:
-        scratch[cuda.threadIdx.x >> 5] = k
-    cuda.syncthreads()
-    best = scratch[0]
-    for w in range(1, cuda.blockDim.x >> 5):
-        best = umax(best, scratch[w])
-    return best
 
 
 def _row_argtypes(spec):
@@ -292,7 +277,7 @@ def row_kernel(spec):
             for i in range(tid, V, nt):
                 v = one(lr, i)
                 best = umax(best, order_key(v if v == v else NEG_INF, i))
-            best = _block_max_key(best, scr_u)
+            best = block_max_u64(best, scr_u)
             cuda.syncthreads()
             xm = key_value(best)
             im = key_index(best)
@@ -352,7 +337,7 @@ def row_kernel(spec):
                             else:
                                 s = NEG_INF
                             best = umax(best, order_key(float32(s + gumbel(w)), i))
-            best = _block_max_key(best, scr_u)
+            best = block_max_u64(best, scr_u)
             if tid == 0:
                 ids[row] = int32(key_index(best)) if best > uint64(0) else int32(im)
             return
