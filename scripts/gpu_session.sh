@@ -88,9 +88,9 @@
 #   bash scripts/gpu_session.sh MOE # after the last bundle of numpy,vllm: the MoE family's GPU tests
 #                                   # and op cases, memcheck over them, its benchmark vs vLLM's _moe_C
 #   bash scripts/gpu_session.sh SAMPLER  # after the last bundle of numpy,vllm,flashinfer: the
-#                                   # sampler family's registers, GPU tests and op cases, memcheck,
-#                                   # (FlashInfer compiles meanwhile)
-#   bash scripts/gpu_session.sh SAMPLER_BENCH  # right after: notebook 07's GPU run, the benchmark
+#                                   # sampler family's registers, GPU tests and op cases, notebook
+#                                   # 07's GPU run (FlashInfer compiles meanwhile)
+#   bash scripts/gpu_session.sh SAMPLER_BENCH  # right after: memcheck, the benchmark
 #   bash scripts/gpu_session.sh Y [CMD]  # after X, with each later bundle: run CMD, then collect the
 #                                   # detached runs' logs so far
 # Benchmarks time with CUDA graphs on their own GPU; eager host timings share the host's cores
@@ -269,7 +269,7 @@ elif [ "$part" = MOE ]; then  # the moe family: its GPU file (vLLM's _moe_C ops 
   grep -E "ERROR SUMMARY|passed|rc=" "$R/memcheck_moe.log"; tail -40 "$R/bench.log"
   exit 0
 elif [ "$part" = SAMPLER ]; then  # the sampler family: registers, its GPU file and every op case's
-  # zero-size, property and no-recompile checks, memcheck; FlashInfer's
+  # zero-size, property and no-recompile checks, notebook 07's GPU run; FlashInfer's
   # sampling modules JIT-compile in the background meanwhile (nvcc on the CPU), for SAMPLER_BENCH
   mkdir -p /tmp/res_bg
   nohup python3 -c "
@@ -294,27 +294,28 @@ PY
     tests/test_fuzz.py tests/test_recompile_gpu.py tests/test_torch_ops_gpu.py -k "$sel" \
     -p no:cacheprovider > "$R/pytest_sampler.log" 2>&1
   echo "pytest sampler rc=$?" >> "$R/pytest_sampler.log"
+  timeout 120 python3 scripts/run_notebooks.py --gpu --out "$R/notebooks" notebooks/07_sampler.ipynb \
+    > "$R/notebooks.log" 2>&1
+  echo "notebooks rc=$?" >> "$R/notebooks.log"
+  tar czf "$OUT/session_SAMPLER.tgz" -C "$R" .
+  cat "$R/registers.log" | tail -20
+  tail -n 3 "$R/pytest_sampler.log"; grep -hE "^(FAILED|ERROR) " "$R"/pytest_*.log | head -30
+  tail -2 "$R/notebooks.log"; tail -3 /tmp/res_bg/flashinfer_warm.log
+  exit 0
+elif [ "$part" = SAMPLER_BENCH ]; then  # right after SAMPLER: memcheck, the benchmark (FlashInfer warm)
+  for _ in $(seq 60); do grep -q "flashinfer warm\|Error" /tmp/res_bg/flashinfer_warm.log 2>/dev/null && break; sleep 5; done
+  tail -2 /tmp/res_bg/flashinfer_warm.log
+  sel="sampling_from or top_k_top_p or top_k_mask or renorm_probs or penalties or min_p_sampling"
   timeout 150 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 \
     python3 -m pytest -q -m gpu tests/test_sampler_gpu.py tests/test_zero_size.py tests/test_fuzz.py \
     -k "($sel) and not distribution and not compile" \
     -p no:cacheprovider > "$R/memcheck_sampler.log" 2>&1
   echo "memcheck rc=$?" >> "$R/memcheck_sampler.log"
-  tar czf "$OUT/session_SAMPLER.tgz" -C "$R" .
-  cat "$R/registers.log" | tail -20
-  tail -n 3 "$R/pytest_sampler.log"; grep -hE "^(FAILED|ERROR) " "$R"/pytest_*.log | head -30
   grep -E "ERROR SUMMARY|passed|rc=" "$R/memcheck_sampler.log"
-  tail -3 /tmp/res_bg/flashinfer_warm.log
-  exit 0
-elif [ "$part" = SAMPLER_BENCH ]; then  # right after SAMPLER: the sampler benchmark (FlashInfer warm)
-  for _ in $(seq 60); do grep -q "flashinfer warm\|Error" /tmp/res_bg/flashinfer_warm.log 2>/dev/null && break; sleep 5; done
-  tail -2 /tmp/res_bg/flashinfer_warm.log
-  timeout 120 python3 scripts/run_notebooks.py --gpu --out "$R/notebooks" notebooks/07_sampler.ipynb \
-    > "$R/notebooks.log" 2>&1
-  echo "notebooks rc=$?" >> "$R/notebooks.log"
-  tail -2 "$R/notebooks.log"
   mkdir -p "$R/bench"
-  timeout "${BENCH_LIMIT:-420}" python3 benchmarks/bench_sampler.py --vllm-lib "$LOOMNB_VLLM_LIB" \
-    --out "$R/bench" ${BENCH_ARGS:-} > "$R/bench.log" 2>&1
+  timeout "${BENCH_LIMIT:-420}" python3 benchmarks/bench_sampler.py \
+    ${LOOMNB_VLLM_LIB:+--vllm-lib "$LOOMNB_VLLM_LIB"} --out "$R/bench" ${BENCH_ARGS:-} \
+    > "$R/bench.log" 2>&1
   echo "bench rc=$?" >> "$R/bench.log"
   tar czf "$OUT/session_SAMPLER_BENCH.tgz" -C "$R" .
   tail -60 "$R/bench.log"
