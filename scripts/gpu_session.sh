@@ -303,7 +303,7 @@ PY
   tail -2 "$R/notebooks.log"; tail -3 /tmp/res_bg/flashinfer_warm.log
   exit 0
 elif [ "$part" = SAMPLER_BENCH ]; then  # right after SAMPLER: memcheck, the benchmark (FlashInfer warm)
-  for _ in $(seq 60); do grep -q "flashinfer warm\|Error" /tmp/res_bg/flashinfer_warm.log 2>/dev/null && break; sleep 5; done
+  for _ in $(seq 30); do grep -q "flashinfer warm\|Error" /tmp/res_bg/flashinfer_warm.log 2>/dev/null && break; sleep 5; done
   tail -2 /tmp/res_bg/flashinfer_warm.log
   sel="sampling_from or top_k_top_p or top_k_mask or renorm_probs or penalties or min_p_sampling"
   timeout 150 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 \

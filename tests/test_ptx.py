@@ -168,7 +168,8 @@ def _moe_checks(spec, ptx):
 def _sampler_checks(spec, ptx):
     if type(spec).__name__ == "PenaltySpec":
         assert "div.rn.f32" in ptx, "x / penalty is an IEEE division (vLLM's op)"
-        assert "fma.rn.f32" not in ptx, "no contracted FMA in x - f * count"
+        assert "fma.rn.f32" not in ptx and "mul.f32" not in ptx, \
+            "products as mul.rn.f32: no FMA in x - f * count, now or by ptxas"
         return
     assert "atom.shared.add.u64" in ptx, "the radix histograms are 64-bit shared atomics"
     if spec.output == "sample":

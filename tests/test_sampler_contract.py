@@ -330,11 +330,6 @@ for _op, _args in PENALTY_OPS.items():
     case("logits rows overlap each other", _op, lambda a: {"logits": _overlapping_rows(a)}, V,
          mm("logits", "an array whose elements do not overlap each other",
             "shape (3, 16) with strides (8, 1) (in elements)"))
-    case("more than 65535 rows", _op,
-         lambda a, n=_args: {k: np.zeros((65536, 1), bool if "mask" in k else
-                                          np.int32 if "counts" in k else np.float32)
-                             for k in n[:3]} | {k: np.ones(65536, np.float32) for k in n[3:]},
-         V, mm("logits", "at most 65535 rows (num_seqs)", "shape [65536, 1]"))
     shape = "of shape [3, 16] ([num_seqs, vocab_size], the logits' shape)"
     for _n in _args[1:3]:
         _key = {"prompt_mask": "pm", "output_mask": "om", "prompt_token_mask": "pm",

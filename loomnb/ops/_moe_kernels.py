@@ -54,7 +54,7 @@ from ._activation_kernels import expf
 from ._fp8 import clamp_fp8, div_rn, scale_from_amax
 from ._reduce import (FULL_MASK, REDUCE_SCRATCH, block_scan, fadd, fmax_nan, fmaxf,
                       group_max_u64, group_reduce, group_top2_u64, key_index, key_value,
-                      lane_broadcast, order_key, umax)
+                      lane_broadcast, mul_rn, order_key, umax)
 from ._vector import CODECS, load_u32x4, store_u32x4, unit_io
 
 KINDS = ("bf16", "f16", "f32")
@@ -88,23 +88,11 @@ if SIM:
     def popc32(x):
         """The set bits of a uint32."""
         return bin(int(x) & 0xFFFFFFFF).count("1")
-
-    @device
-    def mul_rn(a, b):
-        """``r32(a * b)``, never contracted into an FMA."""
-        return np.float32(np.float32(a) * np.float32(b))
 else:
-    from numba.cuda import libdevice
-
     @device
     def popc32(x):
         """The set bits of a uint32 (``popc.b32``)."""
         return cuda.popc(x)
-
-    @device
-    def mul_rn(a, b):
-        """``r32(a * b)`` (``__fmul_rn``), never contracted into an FMA."""
-        return libdevice.fmul_rn(a, b)
 
 
 @device

@@ -54,6 +54,21 @@ REDUCE_SCRATCH = 1024 if SIM else 32  # shared-memory values a block reduction n
 SIM_ARRAY_MAX = 256  # group_reduce_array: values per call the simulator twin takes
 
 
+if SIM:
+    @device
+    def mul_rn(a, b):
+        """``r32(a * b)``, never contracted into an FMA."""
+        return float32(float32(a) * float32(b))
+else:
+    from numba.cuda import libdevice
+
+    @device
+    def mul_rn(a, b):
+        """``r32(a * b)`` (``__fmul_rn``: ``mul.rn.f32``, which ptxas never fuses with a later
+        add into an FMA, as it may a plain ``mul.f32``)."""
+        return libdevice.fmul_rn(a, b)
+
+
 @device
 def fadd(a, b):
     return a + b

@@ -51,7 +51,7 @@ from ..layouts.dtypes import f32_bits
 from . import _launch as L
 from ._philox import gumbel, philox
 from ._reduce import (REDUCE_SCRATCH, block_max_u64, block_reduce, block_scan, imin,
-                      key_index, key_value, order_key, umax)
+                      key_index, key_value, mul_rn, order_key, umax)
 from ._sampling_rows import _loader
 from ._vector import CODECS
 
@@ -372,41 +372,43 @@ def _penalty_argtypes(spec):
     counts = "uint8" if spec.mode == "repetition" else {"i32": "int32", "i64": "int64"}[spec.counts]
     return (L.array_type(st, 2), L.array_type("uint8", 2), L.array_type(counts, 2),
             L.array_type(rep, 1), L.array_type("float32", 1), L.array_type("float32", 1),
-            L.i64(0).numba_type)
+            L.i64(0).numba_type, L.i64(0).numba_type)
 
 
 def penalty_kernel(spec):
     """The ``@cuda.jit`` function of ``spec``. Parameters: ``logits [R, V]`` (storage dtype,
     written in place), ``prompt_mask [R, V]`` uint8 (bool), ``output [R, V]`` (uint8 mask in
     "repetition", int counts in "all"), ``repetition [R]`` (logits dtype in "repetition",
-    fp32 in "all"), ``frequency [R]``, ``presence [R]`` fp32, ``V``. Grid ``(ceil(V / block),
-    R)``."""
+    fp32 in "all"), ``frequency [R]``, ``presence [R]`` fp32, ``V``, ``R``. Grid ``(ceil(V /
+    block), min(R, 65535))``, rows past the grid looping."""
     codec = CODECS[spec.kind]
     dec, enc = codec.decode, codec.encode
     ALL = spec.mode == "all"
 
-    def kernel(logits, pmask, out, rep, freq, pres, V):
-        row = int64(cuda.blockIdx.y)
+    def kernel(logits, pmask, out, rep, freq, pres, V, R):
         i = int64(cuda.blockIdx.x) * int64(cuda.blockDim.x) + int64(cuda.threadIdx.x)
         if i >= V:
             return
-        x = dec(logits[row, i])
-        seen = pmask[row, i] != 0
-        if ALL:
+        row = int64(cuda.blockIdx.y)
+        while row < R:  # rows past the grid's 65,535 loop
+            x = dec(logits[row, i])
+            seen = pmask[row, i] != 0
             c = out[row, i]
-            seen = seen or c > 0
-            r = rep[row]
-        else:
-            seen = seen or out[row, i] != 0
-            r = dec(rep[row])
-        y = x
-        if seen:
-            y = dec(enc(float32(x / r) if x > float32(0) else float32(x * r)))
-        if ALL:
-            y = dec(enc(float32(y - float32(freq[row] * float32(c)))))
-            y = dec(enc(float32(y - float32(pres[row] * float32(1 if c > 0 else 0)))))
-        if ALL or seen:
-            logits[row, i] = enc(y)
+            if ALL:
+                seen = seen or c > 0
+                r = rep[row]
+            else:
+                seen = seen or c != 0
+                r = dec(rep[row])
+            y = x
+            if seen:
+                y = dec(enc(float32(x / r) if x > float32(0) else mul_rn(x, r)))
+            if ALL:  # products through mul_rn: ptxas would fuse a plain mul with the sub
+                y = dec(enc(float32(y - mul_rn(freq[row], float32(c)))))
+                y = dec(enc(float32(y - mul_rn(pres[row], float32(1 if c > 0 else 0)))))
+            if ALL or seen:
+                logits[row, i] = enc(y)
+            row += int64(cuda.gridDim.y)
 
     kernel.__name__ = f"penalties_{spec.mode}_{spec.kind}{'_' + spec.counts if ALL else ''}"
     return kernel

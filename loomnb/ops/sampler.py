@@ -68,7 +68,7 @@ LOGITS_KINDS = ("f32", "bf16", "f16")
 THREADS = 512                 # threads of a row block (fewer for short rows)
 PENALTY_THREADS = 256
 MAX_VOCAB = 1 << 21           # mass sums stay below 2^53 (exact in float64)
-MAX_ROWS_PENALTY = 65535      # the penalty grid's y dimension
+PENALTY_GRID_ROWS = 65535     # the penalty grid's y dimension: more rows loop
 ORDERS = ("top_k_first", "joint")
 
 
@@ -494,8 +494,9 @@ def _launch_penalty(op, spec, la, pm, om, rep, freq, pres, stream, key):
     threads = L.forced_threads() or PENALTY_THREADS
     params = [L.array(la), L.array(pm), L.array(om), L.array(rep),
               L.array(freq) if freq is not None else L.absent("float32", 1),
-              L.array(pres) if pres is not None else L.absent("float32", 1), L.i64(V)]
-    L.launch(penalty_kernel, spec, (-(-V // threads), R), threads, params, like=la,
+              L.array(pres) if pres is not None else L.absent("float32", 1), L.i64(V), L.i64(R)]
+    L.launch(penalty_kernel, spec, (-(-V // threads), min(R, PENALTY_GRID_ROWS)), threads, params,
+             like=la,
              stream=stream, key=key)
 
 
@@ -517,9 +518,6 @@ def _per_seq(op, name, obj, la, kind):
 
 def _penalty_logits(op, logits, kinds):
     la = _rows(op, "logits", logits, kinds)
-    if la.shape[0] > MAX_ROWS_PENALTY:
-        C.fail_value(op, "logits", f"at most {MAX_ROWS_PENALTY} rows (num_seqs)",
-                     f"shape {list(la.shape)}")
     C.writable(op, {"logits": la})
     return la
 
@@ -533,7 +531,7 @@ def apply_repetition_penalties_(logits, prompt_mask, output_mask, repetition_pen
 
     Args:
         logits: ``[num_seqs, vocab_size]`` fp32, bf16 or fp16, last dimension contiguous,
-            writable; at most 65,535 rows. Mutated in place.
+            writable. Mutated in place.
         prompt_mask, output_mask: ``[num_seqs, vocab_size]`` bool.
         repetition_penalties: ``[num_seqs]`` of the logits' dtype (vLLM's op takes that dtype).
         stream: CUDA stream; default the caller's current stream.
@@ -569,7 +567,7 @@ def apply_penalties_(logits, prompt_token_mask, output_token_counts, repetition_
 
     Args:
         logits: ``[num_seqs, vocab_size]`` fp32 (the sampler's logits), last dimension
-            contiguous, writable; at most 65,535 rows. Mutated in place.
+            contiguous, writable. Mutated in place.
         prompt_token_mask: ``[num_seqs, vocab_size]`` bool, the tokens of the prompt.
         output_token_counts: ``[num_seqs, vocab_size]`` int32 or int64, each token's count in
             the output so far.
