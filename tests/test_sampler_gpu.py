@@ -26,6 +26,7 @@ torch = pytest.importorskip("torch")
 
 import loomnb  # noqa: E402
 from loomnb.oracle import sampler as O  # noqa: E402
+from loomnb.ops.sampler import force_candidates  # noqa: E402
 
 from helpers import assert_ulps  # noqa: E402
 from test_sampler_oracle import assert_distribution, reference_kept  # noqa: E402
@@ -76,13 +77,20 @@ def _explain(x, r, got, want, seed, offset):
             f"(score {sc[want]:.7g})")
 
 
+# The row kernel's paths: "vec" 16-byte loads with candidates compacted into shared memory,
+# "row" the same loads reading the row at every level (no compaction), "scalar" element loads
+# (the rows shifted by one element: no 16-byte alignment).
+@pytest.mark.parametrize("path", ["vec", "row", "scalar"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tokens_equal_the_oracle_at_a_serving_vocabulary(dtype):
+def test_tokens_equal_the_oracle_at_a_serving_vocabulary(dtype, path):
     x = model_logits(ROWS, dtype=dtype)
+    if path == "scalar":
+        x = x[:, 1:]
     k, p, t, mp = _config_tensors()
     seed = torch.arange(100, 100 + ROWS, dtype=torch.int64, device="cuda")
-    got = loomnb.top_k_top_p_sampling_from_logits(x, k, p, temperature=t, min_p=mp, seed=seed,
-                                                  offset=5)
+    with force_candidates(-1 if path == "row" else None):
+        got = loomnb.top_k_top_p_sampling_from_logits(x, k, p, temperature=t, min_p=mp,
+                                                      seed=seed, offset=5)
     xh = host(x).astype(np.float32)
     want = O.top_k_top_p_sampling_from_logits(xh, np.array(CONFIG["top_k"], np.int32),
                                               np.array(CONFIG["top_p"], np.float32),

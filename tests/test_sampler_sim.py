@@ -18,6 +18,7 @@ import loomnb
 from helpers import assert_ulps
 from tolerances import ulps
 from loomnb.oracle import sampler as O
+from loomnb.ops.sampler import force_candidates
 
 from family import assert_bits, block_size_sweep, call_both, out_given_and_not
 
@@ -40,20 +41,28 @@ ROWS = dict(top_k=np.array([5, 0, 8, 40, 3], np.int32),
             min_p=np.array([0.0, 0.0, 0.05, 0.0, 0.2], np.float32))
 
 
+# The row kernel's paths: V = 40 rows take 16-byte loads, V = 37 element loads; with the
+# default capacity every row is compacted into shared memory at the first level, with 6 at a
+# later one (or never), with -1 the row is read at every level.
+@pytest.mark.parametrize("cap", [None, 6, -1])
+@pytest.mark.parametrize("V", [37, 40])
 @pytest.mark.parametrize("kind", ["f32", "bf16"])
-def test_top_k_top_p_from_logits_per_row_configs(kind):
-    x = logits(np.random.default_rng(1), 5, 37, kind)
-    got, want, _, _ = call_both("top_k_top_p_sampling_from_logits", x, ROWS["top_k"],
-                                ROWS["top_p"], temperature=ROWS["temperature"],
-                                min_p=ROWS["min_p"], seed=1234, offset=7)
+def test_top_k_top_p_from_logits_per_row_configs(kind, V, cap):
+    x = logits(np.random.default_rng(1), 5, V, kind)
+    with force_candidates(cap):
+        got, want, _, _ = call_both("top_k_top_p_sampling_from_logits", x, ROWS["top_k"],
+                                    ROWS["top_p"], temperature=ROWS["temperature"],
+                                    min_p=ROWS["min_p"], seed=1234, offset=7)
     assert_bits(got, want, kind)
     assert got[3] == np.argmax(x[3].astype(np.float32)), "temperature 0: the argmax"
 
 
-def test_joint_order_and_scalar_parameters():
-    x = logits(np.random.default_rng(2), 3, 29, "f16")
-    got, want, _, _ = call_both("top_k_top_p_sampling_from_logits", x, 6, 0.6,
-                                filter_apply_order="joint", seed=5)
+@pytest.mark.parametrize("V, cap", [(29, None), (32, 7)])
+def test_joint_order_and_scalar_parameters(V, cap):
+    x = logits(np.random.default_rng(2), 3, V, "f16")
+    with force_candidates(cap):
+        got, want, _, _ = call_both("top_k_top_p_sampling_from_logits", x, 6, 0.6,
+                                    filter_apply_order="joint", seed=5)
     assert_bits(got, want, "joint")
 
 
@@ -61,21 +70,25 @@ def test_joint_order_and_scalar_parameters():
     ("top_k_top_p_sampling_from_probs", (7, 0.8)), ("sampling_from_probs", ()),
     ("top_k_sampling_from_probs", (4,)), ("top_p_sampling_from_probs", (0.6,)),
     ("min_p_sampling_from_probs", (0.15,))])
-def test_from_probs(name, args):
-    p = probs_of(logits(np.random.default_rng(3), 3, 33))
+@pytest.mark.parametrize("V", [33, 36])
+def test_from_probs(name, args, V):
+    p = probs_of(logits(np.random.default_rng(3), 3, V))
     got, want, _, _ = call_both(name, p, *args, seed=np.array([3, 4, 5], np.int64))
     assert_bits(got, want, name)
 
 
-def test_mask_and_renorm():
+@pytest.mark.parametrize("V, cap", [(41, None), (48, None), (48, -1)])
+def test_mask_and_renorm(V, cap):
     rng = np.random.default_rng(4)
-    x = logits(rng, 3, 41, "bf16")
-    got, want, _, _ = call_both("top_k_mask_logits", x, np.array([3, 0, 50], np.int32))
+    x = logits(rng, 3, V, "bf16")
+    with force_candidates(cap):
+        got, want, _, _ = call_both("top_k_mask_logits", x, np.array([3, 0, 50], np.int32))
     assert_bits(got, want, "mask")
     assert (got[0] != -np.inf).sum() == 3 and (got[1] != -np.inf).all()
-    p = probs_of(logits(rng, 3, 41))
+    p = probs_of(logits(rng, 3, V))
     for name, arg in (("top_k_renorm_probs", 5), ("top_p_renorm_probs", 0.7)):
-        got, want, _, _ = call_both(name, p, arg)
+        with force_candidates(cap):
+            got, want, _, _ = call_both(name, p, arg)
         assert_ulps(got, want, ulps("sampler_renorm", "f32"), name)
         assert np.allclose(got.sum(1), 1, atol=1e-6)
 
@@ -138,7 +151,7 @@ def test_penalties(counts):
 
 
 def test_block_size_and_out():
-    x = logits(np.random.default_rng(8), 2, 150)
+    x = logits(np.random.default_rng(8), 2, 152)  # 16-byte loads, several a thread at 32
     want = O.top_k_top_p_sampling_from_logits(x, 20, 0.8, seed=77)
 
     def call():

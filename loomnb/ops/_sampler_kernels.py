@@ -50,10 +50,9 @@ from .._numba_internals import device
 from ..layouts.dtypes import f32_bits
 from . import _launch as L
 from ._philox import gumbel, philox
-from ._reduce import (REDUCE_SCRATCH, block_max_u64, block_reduce, block_scan, imin,
+from ._reduce import (REDUCE_SCRATCH, block_max_u64, block_reduce, block_scan,
                       key_index, key_value, mul_rn, order_key, umax)
-from ._sampling_rows import _loader
-from ._vector import CODECS
+from ._vector import CODECS, UNIT_ELEMS, row_loader
 
 KINDS = ("f32", "bf16", "f16")
 SOURCES = ("logits", "probs")
@@ -66,6 +65,9 @@ HIST = COPIES * STRIDE
 MASS_SCALE = 4294967296.0   # 2^32: the fixed point of a token's mass
 SAMPLING_EPS = 1e-5         # vLLM's _SAMPLING_EPS: a lower temperature is greedy
 NO_BIN = 1 << 20
+G = 4               # units a thread loads in a pass before it uses any (loads in flight)
+CAP = 1024          # candidates a row may compact into shared memory (uint64 order keys)
+LAYOUTS = ("vec", "scalar")
 PENALTY_MODES = ("repetition", "all")
 
 
@@ -75,9 +77,11 @@ class RowSpec:
     source: str           # "logits" or "probs"
     output: str           # "sample", "mask" (logits) or "renorm" (probs)
     joint: bool = False   # top-p on the whole row's mass (FlashInfer's "joint"), else on top-k's
+    layout: str = "vec"   # "vec": 16-byte loads (rows aligned, whole units); "scalar"
 
     def __post_init__(self):
         assert self.kind in KINDS and self.source in SOURCES and self.output in OUTPUTS
+        assert self.layout in LAYOUTS
         assert not (self.output == "mask" and self.source != "logits")
         assert not (self.output == "renorm" and self.source != "probs")
 
@@ -114,36 +118,84 @@ def _add_f64(a, b):
     return a + b
 
 
-@device
-def _max_i64(a, b):
-    return a if a > b else b
-
-
 _block_sum_i64 = block_reduce(_add_i64, int64)
 _block_sum_f64 = block_reduce(_add_f64, float64)
-_block_min_i64 = block_reduce(imin, int64)
-_block_max_i64 = block_reduce(_max_i64, int64)
 _block_scan_i64 = block_scan(int64)
 
 
 def _row_argtypes(spec):
     st = storage_dtype(spec.kind)
+    xs = "uint32" if spec.layout == "vec" else st
     y = "float32" if spec.output == "renorm" else st
     i64, f32 = L.i64(0).numba_type, L.f32(0).numba_type
-    return (L.array_type(st, 2), L.array_type("int32", 1), L.array_type(y, 2),
+    return (L.array_type(xs, 2), L.array_type("int32", 1), L.array_type(y, 2),
             L.array_type("int32", 1), L.array_type("float32", 1), L.array_type("float32", 1),
             L.array_type("float32", 1), L.array_type("int64", 1), L.array_type("int64", 1),
-            i64, f32, f32, f32, i64, i64, i64, i64)
+            i64, f32, f32, f32, i64, i64, i64, i64, i64)
+
+
+def _unit_loader(kind, layout):
+    """``(UE, load(row, u, V))``: a pass's unit of ``UE`` values, ``load`` returning unit ``u``
+    of the row as float32 values -- a 16-byte vector (layout "vec", the row as uint32 words) or
+    four elements read one by one (layout "scalar"; NaN past ``V``, never used)."""
+    if layout == "vec":
+        unit_of = row_loader(kind, "vec")[0]
+
+        @device
+        def load_vec(row, u, V):
+            return unit_of(row, u)
+
+        return UNIT_ELEMS[kind], load_vec
+    one = row_loader(kind, "scalar")[1]
+
+    @device
+    def load_quad(row, u, V):
+        i = 4 * u
+        nan = float32(math.nan)
+        return (one(row, i) if i < V else nan, one(row, i + 1) if i + 1 < V else nan,
+                one(row, i + 2) if i + 2 < V else nan, one(row, i + 3) if i + 3 < V else nan)
+
+    return 4, load_quad
+
+
+def _row_pass(UE, load, visit):
+    """``run(row, V, st, ctx) -> st``: this thread's units of the row (stride ``blockDim``),
+    ``G`` of them loaded before any is used (G loads in flight: a pass is bound by the bytes,
+    not by one load's latency), each given to ``visit(unit, first_index, V, st, ctx) -> st``."""
+
+    @device
+    def run(row, V, st, ctx):
+        nt = cuda.blockDim.x
+        nu = (V + UE - 1) // UE
+        for u in range(cuda.threadIdx.x, nu, G * nt):
+            u1 = u + nt
+            u2 = u1 + nt
+            u3 = u2 + nt
+            a = load(row, u, V)
+            b = load(row, u1 if u1 < nu else u, V)
+            c = load(row, u2 if u2 < nu else u, V)
+            d = load(row, u3 if u3 < nu else u, V)
+            st = visit(a, u * UE, V, st, ctx)
+            if u1 < nu:
+                st = visit(b, u1 * UE, V, st, ctx)
+            if u2 < nu:
+                st = visit(c, u2 * UE, V, st, ctx)
+            if u3 < nu:
+                st = visit(d, u3 * UE, V, st, ctx)
+        return st
+
+    return run
 
 
 def row_kernel(spec):
-    """The ``@cuda.jit`` function of ``spec``. Parameters: ``x [R, V]`` (storage dtype),
-    ``ids [R]`` int32 (sample), ``y [R, V]`` (mask: logits dtype; renorm: fp32), the per-row
-    ``top_k`` int32, ``top_p``, ``temperature``, ``min_p`` fp32, ``seed``, ``offset`` int64
-    arrays (length 0 where the scalar after them holds for every row), then ``k, p, T, min_p,
-    seed, offset`` scalars, ``per_row_seed`` (1: ``seed[r]`` is row r's and the salt is 0) and
-    ``V``."""
-    one = _loader(spec.kind, "scalar")[1]
+    """The ``@cuda.jit`` function of ``spec``. Parameters: ``x [R, V]`` (storage dtype; layout
+    "vec": its rows as uint32 words), ``ids [R]`` int32 (sample), ``y [R, V]`` (mask: logits
+    dtype; renorm: fp32), the per-row ``top_k`` int32, ``top_p``, ``temperature``, ``min_p``
+    fp32, ``seed``, ``offset`` int64 arrays (length 0 where the scalar after them holds for every
+    row), then ``k, p, T, min_p, seed, offset`` scalars, ``per_row_seed`` (1: ``seed[r]`` is row
+    r's and the salt is 0), ``V`` and ``cap``, the candidates a row may compact (``<= CAP``;
+    tests lower it to reach every path, -1 never compacts)."""
+    UE, load = _unit_loader(spec.kind, spec.layout)
     LOGITS = spec.source == "logits"
     SAMPLE, MASK, RENORM = (spec.output == o for o in OUTPUTS)
     JOINT = spec.joint
@@ -160,20 +212,127 @@ def row_kernel(spec):
         return float32(v * inv)
 
     @device
-    def eligible(v, key, lo, xm, sm, t, inv, use_mp, thr):
-        if v != v or key < lo:
+    def eligible(v, key, f):
+        """``f = (lo, x_max, x_max / T, T, 1 / p_max, use_min_p, min_p threshold)``."""
+        if v != v or key < f[0]:
             return False
-        if use_mp:
+        if f[5]:
             if LOGITS:
-                return weight(v, xm, sm, t, inv) >= thr
-            return v >= thr
+                return weight(v, f[1], f[2], f[3], f[4]) >= f[6]
+            return v >= f[6]
         return True
 
-    @cuda.jit(device=True)
-    def select(lr, V, mass, p, lo, xm, sm, t, inv, use_mp, thr, hist, tot, res, scr_i):
-        """The threshold key of top-k (``mass`` False: target ``p`` elements) or top-p
-        (``mass`` True: target ``p`` times the candidates' mass) over the eligible elements
-        with key ``>= lo``; ``lo`` if there are none."""
+    @device
+    def score(v, t):
+        if LOGITS:
+            return float32(v / t)
+        if v > float32(0):
+            return float32(math.log(v))
+        return NEG_INF
+
+    # ---- per-element steps, shared by the row passes and the candidate loops
+    @device
+    def hist_one(v, hist, copy, prefix, pmask, shift, mass, f):
+        key = fkey(v)
+        if (key & pmask) == prefix and eligible(v, key, f):
+            w = int64(1)
+            if mass:
+                w = int64(weight(v, f[1], f[2], f[3], f[4]) * float32(MASS_SCALE))
+            if w > 0:
+                cuda.atomic.add(hist, copy * STRIDE + int32((key >> shift) & uint32(255)), w)
+
+    # ---- unit visitors
+    @device
+    def v_max(a, i0, V, best, ctx):
+        for j in range(UE):
+            if i0 + j < V:
+                v = a[j]
+                best = umax(best, order_key(v if v == v else NEG_INF, i0 + j))
+        return best
+
+    @device
+    def v_hist(a, i0, V, st, ctx):
+        for j in range(UE):
+            if i0 + j < V:
+                hist_one(a[j], ctx[0], ctx[1], ctx[2], ctx[3], ctx[4], ctx[5], ctx[6])
+        return st
+
+    @device
+    def v_compact(a, i0, V, st, ctx):
+        cand, cnt, floor, f = ctx
+        for j in range(UE):
+            if i0 + j < V:
+                v = a[j]
+                key = fkey(v)
+                if key >= floor and eligible(v, key, f):
+                    s = cuda.atomic.add(cnt, 0, 1)
+                    if s < CAP:
+                        cand[s] = order_key(v, i0 + j)
+        return st
+
+    @device
+    def v_sample(a, i0, V, best, ctx):
+        salt, c2, c3, k0, k1, f = ctx
+        for q in range(UE // 4):  # Philox's four words serve four consecutive tokens
+            w0 = w1 = w2 = w3 = uint32(0)
+            drawn = False
+            for jj in range(4):
+                j = 4 * q + jj
+                if i0 + j < V:
+                    v = a[j]
+                    if eligible(v, fkey(v), f):
+                        if not drawn:
+                            w0, w1, w2, w3 = philox(uint32((i0 >> 2) + q), salt, c2, c3, k0, k1)
+                            drawn = True
+                        w = w0 if jj == 0 else (w1 if jj == 1 else (w2 if jj == 2 else w3))
+                        best = umax(best, order_key(float32(score(v, f[3]) + gumbel(w)), i0 + j))
+        return best
+
+    @device
+    def v_mask(a, i0, V, st, ctx):
+        yr, lo = ctx
+        for j in range(UE):
+            if i0 + j < V:
+                v = a[j]
+                yr[i0 + j] = enc(v) if (v == v and fkey(v) >= lo) else enc(NEG_INF)
+        return st
+
+    @device
+    def v_sum(a, i0, V, s, f):
+        for j in range(UE):
+            if i0 + j < V:
+                v = a[j]
+                if eligible(v, fkey(v), f):
+                    s += float64(v)
+        return s
+
+    @device
+    def v_renorm(a, i0, V, st, ctx):
+        yr, s32, f = ctx
+        for j in range(UE):
+            if i0 + j < V:
+                v = a[j]
+                yr[i0 + j] = float32(v / s32) if eligible(v, fkey(v), f) else float32(0)
+        return st
+
+    max_pass = _row_pass(UE, load, v_max)
+    hist_pass = _row_pass(UE, load, v_hist)
+    compact_pass = _row_pass(UE, load, v_compact)
+    sample_pass = _row_pass(UE, load, v_sample)
+    mask_pass = _row_pass(UE, load, v_mask)
+    sum_pass = _row_pass(UE, load, v_sum)
+    renorm_pass = _row_pass(UE, load, v_renorm)
+
+    @device
+    def select(lr, V, mass, p, f, n, cap, sh):
+        """``(threshold key, n)``: the threshold of top-k (``mass`` False: target ``p``
+        elements) or top-p (``mass`` True: target ``p`` times the candidates' mass) over the
+        eligible elements (``f``; key ``>= f[0]``), ``f[0]`` if there are none. The elements
+        are the row's, or, with ``n >= 0``, the ``n`` candidates in shared memory. Reading the
+        row, as soon as at most ``cap`` eligible elements share the prefix found so far or lie
+        above it, one pass copies them to the candidates and ``n`` becomes their count:
+        the later levels, filters and the sample read shared memory, not the row."""
+        hist, tot, above, res, cand, cnt, scr_i = sh
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
         copy = (tid & 31) & (COPIES - 1)
@@ -183,81 +342,76 @@ def row_kernel(spec):
         target = float64(p)
         for level in range(LEVELS):
             shift = uint32(24 - 8 * level)
+            r0 = 2 * (level & 1)  # two result slots a level, alternating: no barrier to reuse
             for b in range(tid, HIST, nt):
                 hist[b] = int64(0)
+            if tid == 0:
+                res[r0] = int64(NO_BIN)
+                res[r0 + 1] = int64(-1)
             cuda.syncthreads()
-            for i in range(tid, V, nt):
-                v = one(lr, i)
-                key = fkey(v)
-                if (key & pmask) == prefix and eligible(v, key, lo, xm, sm, t, inv, use_mp, thr):
-                    w = int64(1)
-                    if mass:
-                        w = int64(weight(v, xm, sm, t, inv) * float32(MASS_SCALE))
-                    if w > 0:
-                        cuda.atomic.add(hist, copy * STRIDE + int32((key >> shift) & uint32(255)),
-                                        w)
-            cuda.syncthreads()
-            own = int64(0)
-            for b in range(tid, BINS, nt):
-                s = int64(0)
-                for c in range(COPIES):
-                    s += hist[c * STRIDE + b]
-                tot[b] = s
-                own += s
-            if mass and level == 0:
-                z = _block_sum_i64(own, scr_i)
-                target = float64(p) * float64(z)
-                cuda.syncthreads()
+            if n >= 0:
+                for c in range(tid, n, nt):
+                    hist_one(key_value(cand[c]), hist, copy, prefix, pmask, shift, mass, f)
             else:
-                cuda.syncthreads()
-            # the first bin from the top whose running total reaches the target
+                hist_pass(lr, V, int64(0), (hist, copy, prefix, pmask, shift, mass, f))
+            cuda.syncthreads()
+            # bins from the top (j = 0 is bin 255): totals, and the weight above each
             run = int64(0)
-            found = int64(NO_BIN)
-            lowest = int64(-1)
             for j0 in range(0, BINS, nt):
                 j = j0 + tid
-                c = tot[BINS - 1 - j] if j < BINS else int64(0)
+                c = int64(0)
+                if j < BINS:
+                    for k in range(COPIES):
+                        c += hist[k * STRIDE + BINS - 1 - j]
+                    tot[j] = c
                 before, total = _block_scan_i64(c, scr_i)
-                hit = c > 0 and float64(base + run + before + c) >= target
-                cuda.syncthreads()
-                f = _block_min_i64(int64(j) if hit else int64(NO_BIN), scr_i)
-                cuda.syncthreads()
-                lw = _block_max_i64(int64(j) if c > 0 else int64(-1), scr_i)
-                cuda.syncthreads()
-                if found == NO_BIN and f != NO_BIN:
-                    found = f
-                    if j == f:
-                        res[1] = base + run + before
-                if lw > lowest:
-                    lowest = lw
-                    if j == lw:
-                        res[2] = base + run + before
+                if j < BINS:
+                    above[j] = base + run + before
                 run += total
-                cuda.syncthreads()
-            if found == NO_BIN:
-                if lowest < 0:
-                    return lo       # no eligible element under this prefix
-                found = lowest
-                base = res[2]
-            else:
-                base = res[1]
+                cuda.syncthreads()  # the scan's scratch is used again
+            if mass and level == 0:
+                target = float64(p) * float64(run)  # run: the candidates' whole mass
+            # the first bin whose running total reaches the target; the last non-empty one
+            for j in range(tid, BINS, nt):
+                c = tot[j]
+                if c > 0:
+                    if float64(above[j] + c) >= target:
+                        cuda.atomic.min(res, r0, int64(j))
+                    cuda.atomic.max(res, r0 + 1, int64(j))
             cuda.syncthreads()
-            prefix = prefix | (uint32(BINS - 1 - found) << shift)
-            pmask = pmask | (uint32(255) << shift)
-        return prefix
+            found = res[r0]
+            if found == NO_BIN:
+                found = res[r0 + 1]
+                if found < 0:
+                    return f[0], n  # no eligible element under this prefix
+            base = above[found]
+            prefix = uint32(prefix | (uint32(BINS - 1 - found) << shift))
+            pmask = uint32(pmask | (uint32(255) << shift))
+            if n < 0 and base + tot[found] <= cap:
+                if tid == 0:
+                    cnt[0] = int32(0)
+                cuda.syncthreads()
+                compact_pass(lr, V, int64(0), (cand, cnt, prefix, f))
+                cuda.syncthreads()
+                n = int64(cnt[0])
+        return prefix, n
 
     def kernel(x, ids, y, tk, tp, tt, tmp, sd, so, k_val, p_val, t_val, mp_val, seed_val,
-               off_val, per_row_seed, V):
+               off_val, per_row_seed, V, cap):
         row = int64(cuda.blockIdx.x)
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
         lr = x[row]
         hist = cuda.shared.array(HIST, int64)
         tot = cuda.shared.array(BINS, int64)
+        above = cuda.shared.array(BINS, int64)
         res = cuda.shared.array(4, int64)
+        cand = cuda.shared.array(CAP, uint64)
+        cnt = cuda.shared.array(1, int32)
         scr_u = cuda.shared.array(REDUCE_SCRATCH, uint64)
         scr_i = cuda.shared.array(REDUCE_SCRATCH, int64)
         scr_f = cuda.shared.array(REDUCE_SCRATCH, float64)
+        sh = (hist, tot, above, res, cand, cnt, scr_i)
 
         k = int64(tk[row]) if tk.shape[0] > 0 else k_val
         p = tp[row] if tp.shape[0] > 0 else p_val
@@ -273,11 +427,7 @@ def row_kernel(spec):
         xm = NEG_INF
         im = int64(0)
         if greedy or use_mp or use_p:
-            best = uint64(0)
-            for i in range(tid, V, nt):
-                v = one(lr, i)
-                best = umax(best, order_key(v if v == v else NEG_INF, i))
-            best = block_max_u64(best, scr_u)
+            best = block_max_u64(max_pass(lr, V, uint64(0), int64(0)), scr_u)
             cuda.syncthreads()
             xm = key_value(best)
             im = key_index(best)
@@ -294,15 +444,16 @@ def row_kernel(spec):
             thr = float32(xm * mpv)
 
         lo = uint32(0)
+        n = int64(-1)  # the candidates in shared memory (-1: none, the row is read)
         if use_k:
-            lo = select(lr, V, False, float32(k), lo, xm, sm, t, inv, use_mp, thr, hist, tot,
-                        res, scr_i)
+            lo, n = select(lr, V, False, float32(k), (lo, xm, sm, t, inv, use_mp, thr), n,
+                           cap, sh)
         if use_p:
-            lo_p = uint32(0) if JOINT else lo
-            tp_key = select(lr, V, True, p, lo_p, xm, sm, t, inv, use_mp, thr, hist, tot, res,
-                            scr_i)
+            fp = (uint32(0) if JOINT else lo, xm, sm, t, inv, use_mp, thr)
+            tp_key, _ = select(lr, V, True, p, fp, int64(-1) if JOINT else n, int64(-1), sh)
             if tp_key > lo:
                 lo = tp_key
+        f = (lo, xm, sm, t, inv, use_mp, thr)
 
         if SAMPLE:
             seed = seed_val
@@ -317,50 +468,38 @@ def row_kernel(spec):
             k0, k1 = uint32(useed & uint64(0xFFFFFFFF)), uint32(useed >> uint64(32))
             c2, c3 = uint32(uoff & uint64(0xFFFFFFFF)), uint32(uoff >> uint64(32))
             best = uint64(0)
-            nq = (V + 3) >> 2
-            for q in range(tid, nq, nt):
-                w0 = w1 = w2 = w3 = uint32(0)
-                drawn = False
-                for j in range(4):
-                    i = 4 * q + j
-                    if i < V:
-                        v = one(lr, i)
-                        if eligible(v, fkey(v), lo, xm, sm, t, inv, use_mp, thr):
-                            if not drawn:
-                                w0, w1, w2, w3 = philox(uint32(q), salt, c2, c3, k0, k1)
-                                drawn = True
-                            w = w0 if j == 0 else (w1 if j == 1 else (w2 if j == 2 else w3))
-                            if LOGITS:
-                                s = float32(v / t)
-                            elif v > float32(0):
-                                s = float32(math.log(v))
-                            else:
-                                s = NEG_INF
-                            best = umax(best, order_key(float32(s + gumbel(w)), i))
+            if n >= 0:  # the kept tokens are among the candidates
+                for c in range(tid, n, nt):
+                    kk = cand[c]
+                    v = key_value(kk)
+                    i = key_index(kk)
+                    if eligible(v, fkey(v), f):
+                        w0, w1, w2, w3 = philox(uint32(i >> 2), salt, c2, c3, k0, k1)
+                        jj = i & 3
+                        w = w0 if jj == 0 else (w1 if jj == 1 else (w2 if jj == 2 else w3))
+                        best = umax(best, order_key(float32(score(v, t) + gumbel(w)), i))
+            else:
+                best = sample_pass(lr, V, best, (salt, c2, c3, k0, k1, f))
             best = block_max_u64(best, scr_u)
             if tid == 0:
                 ids[row] = int32(key_index(best)) if best > uint64(0) else int32(im)
             return
         if MASK:
-            for i in range(tid, V, nt):
-                v = one(lr, i)
-                keep = v == v and fkey(v) >= lo
-                y[row, i] = enc(v) if keep else enc(NEG_INF)
+            mask_pass(lr, V, int64(0), (y[row], lo))
             return
         # RENORM
         s64 = float64(0)
-        for i in range(tid, V, nt):
-            v = one(lr, i)
-            if eligible(v, fkey(v), lo, xm, sm, t, inv, use_mp, thr):
-                s64 += float64(v)
+        if n >= 0:
+            for c in range(tid, n, nt):
+                v = key_value(cand[c])
+                if eligible(v, fkey(v), f):
+                    s64 += float64(v)
+        else:
+            s64 = sum_pass(lr, V, s64, f)
         s64 = _block_sum_f64(s64, scr_f)
-        s32 = float32(s64)
-        for i in range(tid, V, nt):
-            v = one(lr, i)
-            keep = eligible(v, fkey(v), lo, xm, sm, t, inv, use_mp, thr)
-            y[row, i] = float32(v / s32) if keep else float32(0)
+        renorm_pass(lr, V, int64(0), (y[row], float32(s64), f))
 
-    kernel.__name__ = (f"sampler_{spec.source}_{spec.output}_{spec.kind}"
+    kernel.__name__ = (f"sampler_{spec.source}_{spec.output}_{spec.kind}_{spec.layout}"
                        f"{'_joint' if JOINT else ''}")
     return kernel
 
@@ -425,15 +564,18 @@ def variants():
     for kind in KINDS:
         for joint in (False, True):
             for source in SOURCES if kind == "f32" else ("logits",):
-                spec = RowSpec(kind, source, "sample", joint)
-                out.append((row_kernel, spec, argtypes(spec)))
-        spec = RowSpec(kind, "logits", "mask")
-        out.append((row_kernel, spec, argtypes(spec)))
+                for layout in LAYOUTS:
+                    spec = RowSpec(kind, source, "sample", joint, layout)
+                    out.append((row_kernel, spec, argtypes(spec)))
+        for layout in LAYOUTS:
+            spec = RowSpec(kind, "logits", "mask", layout=layout)
+            out.append((row_kernel, spec, argtypes(spec)))
         spec = PenaltySpec(kind, "repetition")
         out.append((penalty_kernel, spec, argtypes(spec)))
     for counts in ("i32", "i64"):
         spec = PenaltySpec("f32", "all", counts)
         out.append((penalty_kernel, spec, argtypes(spec)))
-    spec = RowSpec("f32", "probs", "renorm")
-    out.append((row_kernel, spec, argtypes(spec)))
+    for layout in LAYOUTS:
+        spec = RowSpec("f32", "probs", "renorm", layout=layout)
+        out.append((row_kernel, spec, argtypes(spec)))
     return out

@@ -28,7 +28,7 @@ from numba import cuda, float32, float64, int64
 from .._numba_internals import device
 from ..layouts.dtypes import bits_f32
 from ._reduce import block_argmax, fadd, fmax_nan, fmin_nan, group_reduce, imin
-from ._vector import CODECS, load_u32x4
+from ._vector import row_loader
 
 MAX_LOGPROBS = 20          # vLLM's default max_logprobs: top-k lists hold this many
 NO_INDEX = 1 << 52         # "no index" (exact in the simulator's float64 reductions)
@@ -91,47 +91,6 @@ def take_top_k(lv, li, k, av, ai, topv, topi, tid):
             _pop(lv, li, MAX_LOGPROBS)
         if tid == 0:
             topv[j], topi[j] = wv, wi
-
-
-def _loader(kind, layout):
-    """(``unit_of(row, u)`` -> the values of 16-byte unit ``u`` (vec), ``one(row, i)`` -> element
-    ``i`` as float32) for a row view of ``kind`` in ``layout``."""
-    if layout == "scalar":
-        dec = CODECS[kind].decode
-
-        @device
-        def one(row, i):
-            return dec(row[i])
-
-        return None, one
-    if kind == "f32":
-        @device
-        def unit_of(row, u):
-            w = load_u32x4(row, u << 2)
-            return (bits_f32(w[0]), bits_f32(w[1]), bits_f32(w[2]), bits_f32(w[3]))
-
-        @device
-        def one(row, i):
-            return bits_f32(row[i])
-
-        return unit_of, one
-    unpack = CODECS["bf16"].unpack
-
-    @device
-    def unit_of(row, u):
-        w = load_u32x4(row, u << 2)
-        a0, a1 = unpack(w[0])
-        b0, b1 = unpack(w[1])
-        c0, c1 = unpack(w[2])
-        d0, d1 = unpack(w[3])
-        return (a0, a1, b0, b1, c0, c1, d0, d1)
-
-    @device
-    def one(row, i):
-        lo, hi = unpack(row[i >> 1])
-        return hi if i & 1 else lo
-
-    return unit_of, one
 
 
 # per-field warp reductions (scaffold shuffles; simulator twins)
@@ -267,7 +226,7 @@ def row_walker(kind, layout, step, sumexp=True):
     state means what it did: ``s = sum exp(x - m)``. The walks read the thread indices, so they
     are ``cuda.jit(device=True)`` functions, not ``@device`` ones (plain functions under the
     simulator, which see no simulated thread outside the kernel's own module)."""
-    unit_of, one = _loader(kind, layout)
+    unit_of, one = row_loader(kind, layout)
     UE = UNIT[kind]
 
     if layout == "scalar":

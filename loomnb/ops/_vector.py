@@ -9,6 +9,7 @@ words=True)``). A *unit* is 16 bytes: 8 bf16/fp16 values in 4 words, or 8 FP8 co
   (float32 -> storage, round to nearest even), ``rnd`` (``r(x)``: round to the dtype and widen
   back), ``unpack`` (a word of two 16-bit values -> ``(lo, hi)`` float32) and ``pack``
   (``(hi, lo)`` -> a word).
+* ``row_loader(kind, layout)``: a row's 16-byte units (or elements) as float32 values.
 * ``unit_io(kind)``: ``load8(vals, row, u, j)`` decodes unit ``u`` of ``row`` into
   ``vals[8j : 8j+8]``; ``store8(row, u, vals, j)`` rounds and stores them as the dtype;
   ``store8_fp8(row, u, vals, j)`` stores them as 8 FP8 E4M3 codes (``row`` is the FP8 array's
@@ -113,3 +114,48 @@ def unit_io(kind):
 
 
 UNIT_ELEMS = {"bf16": 8, "f16": 8, "f32": 4, "fp8": 16}  # elements per 16-byte unit
+
+
+@functools.cache
+def row_loader(kind, layout):
+    """``(unit_of, one)`` for a row view of ``kind`` (bf16, f16, f32) in ``layout``:
+    ``unit_of(row, u)`` -> the float32 values of 16-byte unit ``u`` (``layout`` "vec": the row
+    seen as uint32 words, :func:`loomnb.ops._launch.array` with ``words``; ``None`` for
+    "scalar"), ``one(row, i)`` -> element ``i`` as float32 (either layout)."""
+    if layout == "scalar":
+        dec = CODECS[kind].decode
+
+        @device
+        def one_scalar(row, i):
+            return dec(row[i])
+
+        return None, one_scalar
+    assert layout == "vec", layout
+    if kind == "f32":
+        @device
+        def unit_f32(row, u):
+            w = load_u32x4(row, u << 2)
+            return (bits_f32(w[0]), bits_f32(w[1]), bits_f32(w[2]), bits_f32(w[3]))
+
+        @device
+        def one_f32(row, i):
+            return bits_f32(row[i])
+
+        return unit_f32, one_f32
+    unpack = CODECS[kind].unpack
+
+    @device
+    def unit_16(row, u):
+        w = load_u32x4(row, u << 2)
+        a0, a1 = unpack(w[0])
+        b0, b1 = unpack(w[1])
+        c0, c1 = unpack(w[2])
+        d0, d1 = unpack(w[3])
+        return (a0, a1, b0, b1, c0, c1, d0, d1)
+
+    @device
+    def one_16(row, i):
+        lo, hi = unpack(row[i >> 1])
+        return hi if i & 1 else lo
+
+    return unit_16, one_16

@@ -48,6 +48,9 @@ first pass when the rows fit), writes 4 bytes a row; one block a row.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 import numpy as np
 
 from .. import _adapter as ad
@@ -55,7 +58,7 @@ from .._dtypes import storage_dtype
 from ..checks import check_kind, check_ndim, check_same_device, check_shape
 from . import _contract as C
 from . import _launch as L
-from ._sampler_kernels import PenaltySpec, RowSpec, penalty_kernel, row_kernel
+from ._sampler_kernels import CAP, PenaltySpec, RowSpec, penalty_kernel, row_kernel
 from ._torch_ops import torch_op
 
 __all__ = ["top_k_top_p_sampling_from_logits", "top_k_top_p_sampling_from_probs",
@@ -136,6 +139,24 @@ def _draw_seed(op, like, generator):
     return None, int(np.random.randint(0, 1 << 62))
 
 
+_forced_cap = None
+
+
+@contextlib.contextmanager
+def force_candidates(n):
+    """Test hook: the row kernel compacts at most ``n`` candidates into shared memory (-1: it
+    reads the row at every level; None: the kernel's ``CAP``), so tests reach every path of
+    the kernel at small vocabularies."""
+    global _forced_cap
+    old, _forced_cap = _forced_cap, n
+    L.clear_launch_cache()
+    try:
+        yield
+    finally:
+        _forced_cap = old
+        L.clear_launch_cache()
+
+
 def _threads(V):
     forced = L.forced_threads()
     if forced is not None:
@@ -172,7 +193,9 @@ def _launch_rows(op, spec, xa, ids, y, k, p, t, mp, seed, offset, generator, str
     if R == 0:
         return
     per_row_seed = int(sa is not None and sa.shape[0] > 1)
-    params = [L.array(xa),
+    vec = C.vectors_ok(xa)  # 16-byte loads where every row allows them
+    spec = dataclasses.replace(spec, layout="vec" if vec else "scalar")
+    params = [L.array(xa, words=vec),
               L.array(ids) if ids is not None else L.absent("int32", 1),
               L.array(y) if y is not None else L.absent(
                   "float32" if spec.output == "renorm" else storage_dtype(xa.kind), 2),
@@ -183,7 +206,7 @@ def _launch_rows(op, spec, xa, ids, y, k, p, t, mp, seed, offset, generator, str
               L.array(sa) if sa is not None else L.absent("int64", 1),
               L.array(oa) if oa is not None else L.absent("int64", 1),
               L.i64(kv), L.f32(pv), L.f32(tv), L.f32(mv), L.i64(sv), L.i64(ov),
-              L.i64(per_row_seed), L.i64(V)]
+              L.i64(per_row_seed), L.i64(V), L.i64(CAP if _forced_cap is None else _forced_cap)]
     L.launch(row_kernel, spec, R, _threads(V), params, like=xa, stream=stream, key=key)
 
 
