@@ -85,11 +85,18 @@ def _run(args, plan) -> int:
     print(f"prefill {len(args.prompt)} prompt(s) of {lens} tokens{chat}{reuse}, then {then}; "
           f"memory-bound ops on {plan.backend}", flush=True)
     show = sys.stderr.isatty() if args.progress is None else args.progress
+    if plan.sampling is not None:
+        p = plan.sampling
+        seed = "a fresh seed per prompt" if p.seed is None else f"seed {p.seed}"
+        print(f"sampling: temperature {p.temperature:g}, top-k {p.top_k}, top-p {p.top_p:g}, "
+              f"min-p {p.min_p:g}, repetition/frequency/presence penalties "
+              f"{p.repetition_penalty:g}/{p.frequency_penalty:g}/{p.presence_penalty:g}, {seed}",
+              flush=True)
     if args.speculative:
         return _speculative(model, args, plan, show)
     result = _generate_with_progress(model, args, plan.backend, show, "generate",
                                      cuda_graphs=plan.cuda_graphs,
-                                     prefix_caching=args.prefix_caching)
+                                     prefix_caching=args.prefix_caching, sampling=plan.sampling)
     report(result, "generate", m)
     if args.logprobs:
         report_logprobs(result, model.tokenizer)
@@ -98,7 +105,8 @@ def _run(args, plan) -> int:
     print(f"loomnb ops: {loomnb_ops}; torch: {', '.join(torch_ops)}")
     if args.batch_sizes:
         _throughput(model, args, plan, show)
-    return _check_reference(model, args, result, show, "greedy tokens")
+    what = "greedy tokens" if plan.sampling is None else f"sampled tokens (seed {plan.sampling.seed})"
+    return _check_reference(model, args, result, show, what, plan.sampling)
 
 
 def _speculative(model, args, plan, show) -> int:
@@ -127,21 +135,23 @@ def _speculative(model, args, plan, show) -> int:
                             "speculative tokens and torch-reference's greedy tokens")
 
 
-def _check_reference(model, args, result, show, what: str) -> int:
+def _check_reference(model, args, result, show, what: str, sampling=None) -> int:
     """``--check-reference`` (else ``EXIT_OK``): decode with the torch-reference backend (plain
-    greedy, the same stopping rule, no prefix caching), report each divergence, and return 0
+    greedy, or the same seeded ``sampling``; the same stopping rule, no prefix caching, no CUDA
+    graphs), report each divergence, and return 0
     if ``result``'s tokens are identical (or part only at near-ties, with
     ``--allow-near-ties``), else 1 (:func:`~loomnb.models._cli_report.reference_verdict`)."""
     if not args.check_reference:
         return EXIT_OK
     print("check-reference: decoding again with the torch-reference backend", flush=True)
-    ref = _generate_with_progress(model, args, "torch-reference", show, "reference")
+    ref = _generate_with_progress(model, args, "torch-reference", show, "reference",
+                                  sampling=sampling)
     report(ref, "reference", args.max_new_tokens)
     return reference_verdict(result, ref, what, args.allow_near_ties, args.dtype)
 
 
 def _generate_with_progress(model, args, backend, show, label, cuda_graphs=False, prompts=None,
-                            ignore_eos=None, prefix_caching=False):
+                            ignore_eos=None, prefix_caching=False, sampling=None):
     bars = progress_bars(show, label)
     try:
         return model.generate(args.prompt if prompts is None else prompts, args.max_new_tokens,
@@ -149,7 +159,7 @@ def _generate_with_progress(model, args, backend, show, label, cuda_graphs=False
                               num_top_logits=5 if args.check_reference else 0, progress=bars,
                               cuda_graphs=cuda_graphs, kv_cache_dtype=args.kv_cache_dtype,
                               ignore_eos=args.ignore_eos if ignore_eos is None else ignore_eos,
-                              prefix_caching=prefix_caching)
+                              prefix_caching=prefix_caching, sampling=sampling)
     finally:
         if bars is not None:
             bars.close()
@@ -176,7 +186,8 @@ def _throughput(model, args, plan, show) -> None:
         prompts = (args.prompt * cdiv(n, len(args.prompt)))[:n]
         res = _generate_with_progress(model, args, plan.backend, show, f"batch {n}",
                                       cuda_graphs=plan.cuda_graphs, prompts=prompts,
-                                      ignore_eos=True, prefix_caching=args.prefix_caching)
+                                      ignore_eos=True, prefix_caching=args.prefix_caching,
+                                      sampling=plan.sampling)
         context = max(len(p) for p in res.prompt_token_ids) + args.max_new_tokens // 2
         runner = model.new_runner(plan.backend, num_blocks=n * cdiv(context, 16) + 1,
                                   kv_cache_dtype=args.kv_cache_dtype)

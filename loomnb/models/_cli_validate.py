@@ -31,6 +31,7 @@ class Plan:
     prompt_token_ids: list    # per prompt, as the model will see them (chat template applied)
     cuda_graphs: bool = False  # decode through DecodeGraphs
     num_speculative_tokens: int = 4  # with --speculative
+    sampling: object = None   # SamplingParams of a sampled decode; None: greedy
 
 
 def _check_device(args) -> tuple[str, str]:
@@ -115,6 +116,32 @@ def _check_prompts(args, header) -> list[list[int]]:
     return ids
 
 
+def _check_sampling(args):
+    """The sampling options as a ``SamplingParams`` (None: greedy decoding); with
+    ``--check-reference`` and no ``--seed`` a seed is drawn here, so the reference's run draws
+    alike."""
+    from .sampling_params import SamplingParams
+
+    names = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty",
+             "frequency_penalty", "presence_penalty")
+    try:
+        p = SamplingParams(**{n: getattr(args, n, None) for n in names
+                              if getattr(args, n, None) is not None})
+    except ValueError as e:
+        raise UsageError(f"--{str(e).replace('_', '-')}") from None
+    if p.is_greedy:
+        return None
+    if args.speculative:
+        raise UsageError("--speculative ngram verifies greedily; leave out the sampling options "
+                         "(--temperature > 0 or a penalty) or --speculative")
+    if p.seed is None and args.check_reference:
+        import dataclasses
+        import os
+
+        p = dataclasses.replace(p, seed=int.from_bytes(os.urandom(8), "little") >> 1)
+    return p
+
+
 def validate(args) -> Plan:
     """Check every argument without loading the model; raises :class:`UsageError`.
 
@@ -122,7 +149,9 @@ def validate(args) -> Plan:
     ``--check-reference``, which does not come with ``--backend torch-reference``;
     ``--num-speculative-tokens`` comes with ``--speculative``, which comes without
     ``--kv-cache-dtype fp8``, ``--batch-sizes`` and ``--prefix-caching``; the device and
-    backend can run here; the GGUF is a readable llama GGUF (header only, and the file holds
+    backend can run here; the sampling options are in vLLM's ranges, not with
+    ``--speculative``, and with a torch backend on CUDA not with CUDA graphs; the GGUF is a
+    readable llama GGUF (header only, and the file holds
     every tensor it lists); with ``--chat`` it has the ChatML template; each prompt's tokens
     plus ``--max-new-tokens`` fit the model's context.
     """
@@ -145,10 +174,14 @@ def validate(args) -> Plan:
     if args.speculative and args.prefix_caching:
         raise UsageError("--prefix-caching applies to plain greedy decoding; leave out "
                          "--speculative")
+    sampling = _check_sampling(args)
     device, backend = _check_device(args)
+    cuda_graphs = device == "cuda" if args.cuda_graphs is None else args.cuda_graphs
+    if sampling is not None and cuda_graphs and device == "cuda" and backend.startswith("torch"):
+        raise UsageError(f"--backend {backend} samples through loomnb's NumPy oracle on the host, "
+                         "which a CUDA graph cannot hold: add --no-cuda-graphs")
     path, header = _check_gguf(args)
     ids = _check_prompts(args, header)
-    cuda_graphs = device == "cuda" if args.cuda_graphs is None else args.cuda_graphs
     k = args.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS
-    return Plan(device, backend, path, header, ids, cuda_graphs, k)
+    return Plan(device, backend, path, header, ids, cuda_graphs, k, sampling)
 

@@ -10,5 +10,8 @@ BACKENDS = ("loomnb-cuda", "loomnb-cpu", "torch-reference", "torch")
 # the memory-bound ops of the decode step that the loomnb backends run through loomnb
 LOOMNB_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding_and_cache",
               "paged_decode_attention", "silu_and_mul", "greedy_sample_logprob")
+# the sampler ops a sampled decode adds (loomnb.models.sampling_params)
+SAMPLER_OPS = ("apply_penalties_", "top_k_top_p_sampling_from_logits",
+               "selected_token_logprob_rank")
 # what torch computes in every backend
 TORCH_OPS = ("embedding", "matmul (QKV, o_proj, gate_up, down, lm_head)", "prefill attention")

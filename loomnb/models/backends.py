@@ -22,6 +22,19 @@ of ``LOOMNB_OPS``, named and ordered as the loomnb op (``loomnb.<name>``) it sta
 * ``greedy_sample_logprob(logits) -> (token_ids int64, logprob fp32, rank int64)``: argmax
   (lowest index on ties) and the token's log-softmax and rank (vLLM's V1 sampler).
 
+and, for a sampled decode (:mod:`loomnb.models.sampling_params`; ``SAMPLER_OPS``), the
+sampler family's ops with loomnb's signatures:
+
+* ``apply_penalties_(logits, prompt_token_mask, output_token_counts, repetition_penalties,
+  frequency_penalties, presence_penalties) -> logits``: vLLM's penalties on fp32 logits, in
+  place (the torch backends in torch, with the division of vLLM's CUDA op);
+* ``top_k_top_p_sampling_from_logits(logits, top_k, top_p, temperature, min_p, seed, offset)
+  -> token_ids int32``: the seeded draw (per-row int64 seeds, an int64 ``[1]`` offset);
+  the torch backends run loomnb's NumPy oracle on host copies (the draw's definition; not
+  inside a CUDA graph);
+* ``selected_token_logprob_rank(logits, token_ids) -> (logprob fp32, rank int64)``: the
+  sampled token's log-softmax and rank (V1's definitions);
+
 and, outside the decode step (not in ``LOOMNB_OPS``), the cache op of the prefix cache's
 copy-on-write (:mod:`loomnb.models.prefix_cache`):
 
@@ -135,14 +148,46 @@ class TorchReferenceOps:
         s = (g / (1 + torch.exp(-g.double()).float())).to(x.dtype)
         return (s.float() * u).to(x.dtype)
 
+    @classmethod
+    def greedy_sample_logprob(cls, logits):
+        ids = torch.argmax(logits.float(), dim=-1)
+        return (ids, *cls.selected_token_logprob_rank(logits, ids))
+
     @staticmethod
-    def greedy_sample_logprob(logits):
-        lf = logits.float()
-        ids = torch.argmax(lf, dim=-1)
-        lp = torch.log_softmax(lf, dim=-1)
-        tok_lp = lp.gather(-1, ids.unsqueeze(-1))
-        rank = (lp >= tok_lp).sum(-1)
-        return ids, tok_lp.squeeze(-1), rank
+    def selected_token_logprob_rank(logits, token_ids):
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        tok_lp = lp.gather(-1, token_ids.view(-1, 1))
+        return tok_lp.squeeze(-1), (lp >= tok_lp).sum(-1)
+
+    @staticmethod
+    def apply_penalties_(logits, prompt_token_mask, output_token_counts, repetition_penalties,
+                         frequency_penalties, presence_penalties):
+        """vLLM's order on fp32 ``logits``, in place: where the token is in the prompt or the
+        output, ``x / r`` if ``x > 0`` else ``x * r``; then ``x -= f * count`` and ``x -= p *
+        (count > 0)`` (each product rounded, then the difference)."""
+        counts = output_token_counts
+        seen = prompt_token_mask | (counts > 0)
+        r = repetition_penalties.view(-1, 1).expand_as(logits)
+        pen = torch.where(logits > 0, logits / r, logits * r)
+        logits.copy_(torch.where(seen, pen, logits))
+        logits -= frequency_penalties.view(-1, 1) * counts.to(torch.float32)
+        logits -= presence_penalties.view(-1, 1) * (counts > 0).to(torch.float32)
+        return logits
+
+    @staticmethod
+    def top_k_top_p_sampling_from_logits(logits, top_k, top_p, temperature, min_p, seed, offset):
+        """loomnb's NumPy oracle on host copies (the definition of the draw), the ids back on
+        ``logits``' device. Raises ``RuntimeError`` inside a CUDA graph capture."""
+        if logits.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the torch backends sample through loomnb's NumPy oracle on the "
+                               "host, which a CUDA graph cannot hold; decode without CUDA "
+                               "graphs")
+        from loomnb import oracle
+
+        ids = oracle.top_k_top_p_sampling_from_logits(
+            _to_numpy(logits.detach().cpu()), top_k, top_p, temperature=temperature,
+            min_p=min_p, seed=seed.cpu().numpy(), offset=offset.cpu().numpy())
+        return torch.from_numpy(np.ascontiguousarray(ids)).to(logits.device)
 
     @staticmethod
     def copy_blocks(key_caches, value_caches, block_mapping):
@@ -248,6 +293,26 @@ class _LoomnbOps:
 
     def silu_and_mul(self, x):
         return self._tensor(self.m.silu_and_mul(self._array(x)))
+
+    def apply_penalties_(self, logits, prompt_token_mask, output_token_counts,
+                         repetition_penalties, frequency_penalties, presence_penalties):
+        a = self._array
+        self.m.apply_penalties_(a(logits), a(prompt_token_mask), a(output_token_counts),
+                                a(repetition_penalties), a(frequency_penalties),
+                                a(presence_penalties))
+        return logits
+
+    def top_k_top_p_sampling_from_logits(self, logits, top_k, top_p, temperature, min_p, seed,
+                                         offset):
+        a = self._array
+        return self._tensor(self.m.top_k_top_p_sampling_from_logits(
+            a(logits), top_k, top_p, temperature=temperature, min_p=min_p, seed=a(seed),
+            offset=a(offset)))
+
+    def selected_token_logprob_rank(self, logits, token_ids):
+        lp, rank = self.m.selected_token_logprob_rank(self._array(logits),
+                                                      self._array(token_ids))
+        return self._tensor(lp), self._tensor(rank)
 
     def copy_blocks(self, key_caches, value_caches, block_mapping):
         """``loomnb.copy_blocks`` / ``loomnb.oracle.copy_blocks`` on every layer's caches in

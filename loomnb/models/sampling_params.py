@@ -1,0 +1,180 @@
+"""Sampling in the decode loop: vLLM's per-request sampling parameters and the device state a
+sampled decode carries from step to step.
+
+:class:`SamplingParams` holds the fields of vLLM's ``SamplingParams`` the loop honours, with
+vLLM's ranges and defaults (``temperature`` 0 here: the loop is greedy unless asked). The
+default parameters are the plain greedy loop, which keeps its own path
+(``greedy_sample_logprob``); any other parameters sample through :class:`SamplerState`. One step
+of a sampled decode, on the device, with no host synchronisation (CUDA-graph capturable)::
+
+    x = float32(logits)                                   (a copy; the raw logits stay)
+    apply_penalties_(x, prompt_mask, output_counts, repetition, frequency, presence)
+                                                          (only when a penalty is set)
+    ids = top_k_top_p_sampling_from_logits(x, top_k, top_p, temperature=T, min_p=min_p,
+                                           seed=seeds, offset=offset)
+    logprob, rank = selected_token_logprob_rank(logits, ids)   (vLLM's "raw_logprobs")
+    output_counts[row, ids[row]] += 1;  offset += 1       (advance(), once per step)
+
+vLLM's order: penalties, then temperature, then min-p / top-k / top-p (the sampler op's
+``filter_apply_order="top_k_first"``), then the draw; a row whose temperature is below 1e-5
+takes the argmax of its penalised logits. Every row of a run has the same parameters. Seeds:
+with ``seed``, every row's seed is ``seed`` (vLLM gives every request of a seeded batch its own
+generator seeded alike, so two equal prompts sample alike), without one each row draws its own
+from the operating system; the draw of step ``s`` (the first token: ``s = 0``) is the sampler's
+Philox stream at ``offset = s``, so a seeded run gives the same tokens eagerly, graphed, on the
+CPU oracles and on the GPU kernels, whatever the batch's order or padding.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+__all__ = ["SamplingParams", "SamplerState"]
+
+SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """vLLM's sampling parameters for every sequence of a run.
+
+    Attributes:
+        temperature: logits are divided by it; ``< 1e-5`` is greedy (the argmax). ``>= 0``.
+        top_k: keep the ``top_k`` largest logits (ties at the k-th kept); 0 or -1: all.
+        top_p: keep the smallest prefix of the sorted probabilities whose mass reaches it,
+            in ``(0, 1]``; 1: all.
+        min_p: keep tokens whose probability is at least ``min_p`` times the largest, in
+            ``[0, 1]``; 0: off.
+        seed: the Philox seed of every row (``None``: a fresh seed per row from the OS).
+        repetition_penalty: ``> 0``; tokens seen in the prompt or the output have positive
+            logits divided by it and negative ones multiplied; 1: off.
+        frequency_penalty: in ``[-2, 2]``; subtracted times the token's output count.
+        presence_penalty: in ``[-2, 2]``; subtracted once from every token in the output.
+
+    Raises ``ValueError`` naming the field for a value outside its range (vLLM's checks).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    def __post_init__(self):
+        def bad(name, want):
+            raise ValueError(f"{name} must be {want}; got {getattr(self, name)!r}")
+
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("top_k", "seed"):
+                if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                    bad(f.name, "an int" + (" or None" if f.name == "seed" else ""))
+            elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                bad(f.name, "a finite number")
+        if self.temperature < 0:
+            bad("temperature", ">= 0")
+        if self.top_k < -1:
+            bad("top_k", "-1, 0 (all tokens) or >= 1")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "in [0, 1]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "> 0")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                bad(name, "in [-2, 2]")
+        if self.seed is not None and not 0 <= self.seed < 2 ** 63:
+            bad("seed", "in [0, 2^63)")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    @property
+    def is_greedy(self) -> bool:
+        """The plain greedy loop: greedy temperature and no penalty (the filters then keep the
+        argmax, so they change nothing)."""
+        return self.temperature < SAMPLING_EPS and not self.penalized
+
+
+class SamplerState:
+    """The device state of a sampled decode of ``rows`` rows over ``vocab_size`` tokens.
+
+    ``prompt_mask`` bool ``[rows, V]`` (the tokens of each row's prompt), ``output_counts``
+    int32 ``[rows, V]`` (each token's count in the row's output so far), ``seeds`` int64
+    ``[rows]``, ``offset`` int64 ``[1]`` (the step's Philox offset), on ``device``. Rows past
+    the prompts given to :meth:`load` are padding (nothing seen, seed 0). :meth:`sample` reads
+    them and updates ``output_counts``; :meth:`advance` moves ``offset`` on. Both are device
+    work only, so a CUDA graph of a decode step may hold them (save :meth:`mutable` around a
+    warm-up)."""
+
+    def __init__(self, params: SamplingParams, rows: int, vocab_size: int, device):
+        self.params, self.rows, self.vocab_size = params, rows, vocab_size
+        dev = torch.device(device)
+        self.prompt_mask = torch.zeros(rows, vocab_size, dtype=torch.bool, device=dev)
+        self.output_counts = torch.zeros(rows, vocab_size, dtype=torch.int32, device=dev)
+        self.seeds = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.offset = torch.zeros(1, dtype=torch.int64, device=dev)
+        p = params
+        full = dict(dtype=torch.float32, device=dev)
+        self._penalties = (torch.full((rows,), p.repetition_penalty, **full),
+                           torch.full((rows,), p.frequency_penalty, **full),
+                           torch.full((rows,), p.presence_penalty, **full))
+        self._one = torch.ones(rows, 1, dtype=torch.int32, device=dev)
+
+    def load(self, prompt_token_ids: list[list[int]]) -> None:
+        """Reset the state for these prompts (one row each, the rest padding): their prompt
+        masks, zero counts, the seeds (``params.seed`` or fresh ones) and offset 0."""
+        n = len(prompt_token_ids)
+        if n > self.rows:
+            raise ValueError(f"{n} prompts for a SamplerState of {self.rows} rows")
+        self.prompt_mask.zero_()
+        for i, ids in enumerate(prompt_token_ids):
+            self.prompt_mask[i, torch.tensor(ids, dtype=torch.long)] = True
+        self.output_counts.zero_()
+        seed = self.params.seed
+        seeds = ([seed] * n if seed is not None else
+                 [int.from_bytes(os.urandom(8), "little") >> 1 for _ in range(n)])
+        self.seeds.zero_()
+        if n:
+            self.seeds[:n] = torch.tensor(seeds, dtype=torch.int64)
+        self.offset.zero_()
+
+    def mutable(self):
+        """The tensors :meth:`sample` and :meth:`advance` change."""
+        return (self.output_counts, self.offset)
+
+    def sample(self, ops, logits, rows: slice | None = None):
+        """Sample one token for each row of ``logits`` ``[n, V]`` (model dtype; rows ``rows``
+        of the state, default the first ``n``) through ``ops`` (a backend of
+        :mod:`loomnb.models.backends`). Returns ``(token_ids int64 [n], logprob fp32 [n],
+        rank int64 [n])``, the logprob and rank of the sampled token under the raw logits.
+        Mutates ``output_counts`` of those rows (the token counted), not ``logits``."""
+        n = logits.shape[0]
+        rows = slice(0, n) if rows is None else rows
+        p = self.params
+        x = logits.to(torch.float32, copy=True)
+        counts = self.output_counts[rows]
+        if p.penalized:
+            rep, freq, pres = (t[rows] for t in self._penalties)
+            ops.apply_penalties_(x, self.prompt_mask[rows], counts, rep, freq, pres)
+        ids = ops.top_k_top_p_sampling_from_logits(x, p.top_k, p.top_p, p.temperature,
+                                                   p.min_p, self.seeds[rows], self.offset)
+        ids = ids.to(torch.long)
+        counts.scatter_add_(1, ids.view(-1, 1), self._one[rows])
+        lp, rank = ops.selected_token_logprob_rank(logits, ids)
+        return ids, lp, rank
+
+    def advance(self) -> None:
+        """The next step's draws: ``offset += 1``."""
+        self.offset.add_(1)

@@ -1,0 +1,174 @@
+"""The decode loop sampling through the sampler family (``loomnb.models.sampling_params``):
+the parameters' checks, the loop's reproducibility (a seed gives the same tokens on every run,
+padded or not, on the loomnb oracles and the torch reference), the state's bookkeeping, and
+``loomnb generate``'s sampling options. Tiny random-weight models, no GGUF (one CLI case with
+the GGUF is in test_model.py's style, skipped without it)."""
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from loomnb import oracle
+from loomnb.models import graphs as graphs_mod
+from loomnb.models.backends import LoomnbCpuOps, TorchReferenceOps
+from loomnb.models.cli import main
+from loomnb.models.sampling_params import SamplerState, SamplingParams
+
+from test_model import tiny_llama
+
+PROMPTS = [[1, 2, 3, 4, 5], list(range(40, 75)), [9, 8]]
+HOT = dict(temperature=1.3, top_k=40, top_p=0.95, min_p=0.01, seed=1234)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("temperature", -0.1, "temperature must be >= 0"),
+    ("temperature", float("nan"), "temperature must be a finite number"),
+    ("top_k", -2, "top_k must be -1, 0"),
+    ("top_k", 2.0, "top_k must be an int"),
+    ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
+    ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
+    ("min_p", -0.5, r"min_p must be in \[0, 1\]"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be > 0"),
+    ("frequency_penalty", 2.5, r"frequency_penalty must be in \[-2, 2\]"),
+    ("presence_penalty", -3.0, r"presence_penalty must be in \[-2, 2\]"),
+    ("seed", -1, r"seed must be in \[0, 2\^63\)"),
+    ("seed", "7", "seed must be an int or None"),
+])
+def test_sampling_params_reject_out_of_range_values(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**{field: value})
+
+
+def test_greedy_is_the_default_and_penalties_make_it_sampled():
+    assert SamplingParams().is_greedy and not SamplingParams().penalized
+    assert not SamplingParams(temperature=0.5).is_greedy
+    p = SamplingParams(presence_penalty=0.5)
+    assert p.penalized and not p.is_greedy  # greedy rows of penalised logits: the sampler path
+
+
+@pytest.mark.parametrize("backend", ["loomnb-cpu", "torch-reference"])
+def test_a_seed_gives_the_same_tokens_padded_or_not(backend):
+    """cuda_graphs=True on the CPU runs the padded step (bucket 4 for 3 prompts): the sampled
+    tokens, logprobs and ranks equal the unpadded loop's; a second run repeats them; another
+    seed gives other tokens."""
+    model = tiny_llama()
+    p = SamplingParams(**HOT, repetition_penalty=1.2, frequency_penalty=0.3)
+    plain = model.new_runner(backend, 16).generate(PROMPTS, 8, sampling=p)
+    padded = model.new_runner(backend, 16).generate(PROMPTS, 8, sampling=p, cuda_graphs=True)
+    again = model.new_runner(backend, 16).generate(PROMPTS, 8, sampling=p)
+    assert padded.decode_batch == 4 and plain.sampling == p
+    assert padded.token_ids == plain.token_ids == again.token_ids
+    assert padded.token_logprobs == plain.token_logprobs
+    assert padded.token_ranks == plain.token_ranks
+    other = model.new_runner(backend, 16).generate(
+        PROMPTS, 8, sampling=SamplingParams(**{**HOT, "seed": 99}))
+    assert other.token_ids != plain.token_ids
+    greedy = model.new_runner(backend, 16).generate(PROMPTS, 8)
+    assert greedy.sampling is None and greedy.token_ids != plain.token_ids
+
+
+def test_loomnb_oracles_sample_the_torch_references_tokens():
+    """The loomnb-cpu backend (the sampler's oracles) and torch-reference (torch penalties, the
+    oracle's draw) give the same tokens; the loomnb ops are named in the result."""
+    model = tiny_llama()
+    p = SamplingParams(**HOT, presence_penalty=0.5, repetition_penalty=1.3)
+    a = model.new_runner("loomnb-cpu", 16).generate(PROMPTS, 10, sampling=p)
+    b = model.new_runner("torch-reference", 16).generate(PROMPTS, 10, sampling=p)
+    assert a.token_ids == b.token_ids
+    np.testing.assert_allclose(a.token_logprobs, b.token_logprobs, rtol=0, atol=1e-5)
+    assert "top_k_top_p_sampling_from_logits" in a.loomnb_ops
+    assert "top_k_top_p_sampling_from_logits" not in b.loomnb_ops
+
+
+def test_torch_penalties_equal_the_oracle_bit_for_bit():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((3, 64)) * 3).astype(np.float32)
+    x[0, :3] = [np.inf, -np.inf, 0.0]
+    pm = rng.random((3, 64)) < 0.2
+    c = np.where(rng.random((3, 64)) < 0.3, rng.integers(1, 5, (3, 64)), 0).astype(np.int32)
+    rep = np.array([1.3, 1.0, 0.7], np.float32)
+    freq = np.array([0.2, 0.0, -0.5], np.float32)
+    pres = np.array([0.4, -1.0, 0.0], np.float32)
+    want = x.copy()
+    oracle.apply_penalties_(want, pm, c, rep, freq, pres)
+    got = torch.from_numpy(x.copy())
+    TorchReferenceOps.apply_penalties_(got, *(torch.from_numpy(a) for a in (pm, c, rep, freq,
+                                                                             pres)))
+    assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
+
+
+def test_sampler_state_counts_the_sampled_tokens_and_advances():
+    p = SamplingParams(temperature=1.0, seed=5)
+    st = SamplerState(p, 3, 50, "cpu")
+    st.load([[1, 2], [3]])
+    assert st.prompt_mask[0, [1, 2]].all() and st.prompt_mask.sum() == 3
+    assert st.seeds.tolist() == [5, 5, 0]
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)).bfloat16()
+    ops = LoomnbCpuOps()
+    ids0, _, _ = st.sample(ops, logits)
+    st.advance()
+    ids1, lp, rank = st.sample(ops, logits)
+    assert int(st.offset) == 1
+    want = torch.zeros(3, 50, dtype=torch.int32)
+    for ids in (ids0, ids1):
+        want[torch.arange(3), ids] += 1
+    assert torch.equal(st.output_counts, want)
+    lf = logits.float()
+    want_lp = torch.log_softmax(lf, -1).gather(1, ids1.view(-1, 1)).view(-1)
+    torch.testing.assert_close(lp, want_lp, rtol=0, atol=1e-6)
+    assert (rank >= 1).all()
+    with pytest.raises(ValueError, match="4 prompts for a SamplerState of 3 rows"):
+        st.load([[1]] * 4)
+
+
+def test_equal_prompts_with_one_seed_sample_alike():
+    """vLLM's seeded requests: the same seed and prompt give the same tokens in one batch."""
+    model = tiny_llama()
+    out = model.new_runner("loomnb-cpu", 16).generate([[5, 6, 7]] * 2 + [[8]], 6,
+                                                      sampling=SamplingParams(**HOT))
+    assert out.token_ids[0] == out.token_ids[1]
+    unseeded = model.new_runner("loomnb-cpu", 16).generate(
+        [[5, 6, 7]] * 2, 6, sampling=SamplingParams(**{**HOT, "seed": None}))
+    assert unseeded.token_ids[0] != unseeded.token_ids[1]  # a fresh seed per row
+
+
+def test_teacher_forcing_does_not_sample():
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="teacher forcing"):
+        model.new_runner("loomnb-cpu", 16).generate(PROMPTS, 3, forced_token_ids=[[1] * 3] * 3,
+                                                    sampling=SamplingParams(**HOT))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--top-p", "1.5"], r"--top-p must be in \(0, 1\]; got 1.5"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--temperature", "0.7", "--speculative", "ngram"], "--speculative ngram verifies greedily"),
+    (["--presence-penalty", "3"], r"--presence-penalty must be in \[-2, 2\]"),
+])
+def test_cli_rejects_bad_sampling_options_before_loading(argv, message, capsys):
+    rc = main(["generate", "--prompt", "hi", *argv])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert re.search(message, err), err
+
+
+@pytest.mark.gpu
+def test_graphed_sampled_decode_equals_the_eager_padded_step(monkeypatch):
+    """On a GPU: the loomnb-cuda sampled decode through CUDA graphs (the offset advanced on the
+    device inside the graph) gives the eager padded step's tokens and logprobs exactly."""
+    model = tiny_llama("cuda")
+    p = SamplingParams(**HOT, repetition_penalty=1.2, frequency_penalty=0.2)
+    g = model.new_runner("loomnb-cuda", 16).generate(PROMPTS, 12, sampling=p, cuda_graphs=True)
+    assert g.cuda_graphs and g.graph_capture_time_s > 0
+    with monkeypatch.context() as m:
+        m.setattr(graphs_mod.DecodeGraphs, "capture", lambda self: None)
+        m.setattr(graphs_mod.DecodeGraphs, "step", lambda self: self._body(self._current()))
+        e = model.new_runner("loomnb-cuda", 16).generate(PROMPTS, 12, sampling=p,
+                                                         cuda_graphs=True)
+    assert g.token_ids == e.token_ids and g.token_logprobs == e.token_logprobs
+    again = model.new_runner("loomnb-cuda", 16).generate(PROMPTS, 12, sampling=p,
+                                                         cuda_graphs=True)
+    assert again.token_ids == g.token_ids
