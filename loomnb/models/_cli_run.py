@@ -101,7 +101,8 @@ def _run(args, plan) -> int:
     if args.logprobs:
         report_logprobs(result, model.tokenizer)
     loomnb_ops = ", ".join(result.loomnb_ops) or "none"
-    torch_ops = list(TORCH_OPS) + [op for op in LOOMNB_OPS if op not in result.loomnb_ops]
+    torch_ops = list(TORCH_OPS) + [op for op in LOOMNB_OPS if op not in result.loomnb_ops and not (
+        result.sampling is not None and op == "greedy_sample_logprob")]  # sampled: not run
     print(f"loomnb ops: {loomnb_ops}; torch: {', '.join(torch_ops)}")
     if args.batch_sizes:
         _throughput(model, args, plan, show)

@@ -618,8 +618,9 @@ class ModelRunner:
             prompt_token_ids=[list(p) for p in prompt_token_ids],
             token_ids=token_ids,
             backend=self.ops.name,
-            loomnb_ops=tuple(self.ops.loomnb_ops) + (
-                SAMPLER_OPS if sampled and self.ops.loomnb_ops else ()),
+            loomnb_ops=(tuple(self.ops.loomnb_ops) if not sampled else tuple(  # the sampler's
+                op for op in self.ops.loomnb_ops if op != "greedy_sample_logprob") + (
+                SAMPLER_OPS if self.ops.loomnb_ops else ())),
             prefill_time_s=prefill_s,
             decode_time_s=t2 - t1,
             num_prefill_tokens=sum(prompt_lens),
