@@ -55,6 +55,16 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, t
 PROVIDERS = ("loomnb-cuda", "torch", "hf", "hf-compile")
 LOOP_PROVIDERS = ("loomnb-cuda", "torch", "torch-reference", "loomnb-cpu")  # DecodeGraphs
 MODES = ("eager", "graph")
+# --sampling: the loop's SamplingParams per configuration (loomnb.models.sampling_params)
+SAMPLING = {"greedy": None,
+            "sampled": dict(temperature=0.8, top_k=50, top_p=0.95, seed=0),
+            "penalized": dict(temperature=0.8, top_k=50, top_p=0.95, seed=0,
+                              repetition_penalty=1.1, frequency_penalty=0.2,
+                              presence_penalty=0.2)}
+# SmolLM2-135M-Instruct's configuration (--random-weights)
+SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_heads=9, num_kv_heads=3, head_size=64,
+               intermediate_size=1536, vocab_size=49152, rope_theta=1e5, rms_norm_eps=1e-5,
+               max_position_embeddings=8192, tie_word_embeddings=True)
 
 
 def parse_ints(text: str) -> list[int]:
@@ -81,6 +91,12 @@ def build_parser():
     p.add_argument("--dry-run", action="store_true", help="print the case plan and exit")
     p.add_argument("--plot", default=None, metavar="JSON", help="plot a result file and exit")
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--sampling", default="greedy",
+                   help="comma list of the loop providers' sampling configurations: "
+                        f"{', '.join(SAMPLING)} (default: greedy)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="SmolLM2-135M's shapes with random weights (no GGUF needed: timing only, "
+                        "token ids in place of the prompts' text); the HF providers need the GGUF")
     p.add_argument("--speculative", action="store_true",
                    help="time the loop with and without speculative decoding instead (its own "
                         "options: --speculative --help)")
@@ -100,12 +116,47 @@ def parse_args(argv=None):
     for m in args.modes:
         if m not in MODES:
             raise SystemExit(f"bench_decode: unknown mode {m!r}; choose from {MODES}")
+    args.sampling = [x for x in args.sampling.split(",") if x]
+    for m in args.sampling:
+        if m not in SAMPLING:
+            raise SystemExit(f"bench_decode: unknown sampling {m!r}; choose from {tuple(SAMPLING)}")
     return args
 
 
-def plan(providers, batches, contexts, modes, orders="both") -> list[dict]:
+def random_model(device, dtype=torch.bfloat16, seed=0):
+    """SmolLM2-135M's shapes with random weights (tied embeddings; the embedding scaled so the
+    logits spread as a trained model's do, a few units). Timing only."""
+    import numpy as np
+
+    from loomnb.models.gguf_loader import LlamaConfig
+    from loomnb.models.llama import LlamaModel
+
+    cfg = LlamaConfig(**SMOLLM2)
+    rng = np.random.default_rng(seed)
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    kv = cfg.num_kv_heads * cfg.head_size
+
+    def mat(o, i, scale=1.0):
+        return (rng.standard_normal((o, i), dtype=np.float32) * (scale / i ** 0.5))
+
+    w = {"model.embed_tokens.weight": mat(cfg.vocab_size, h, 4 * h ** 0.5),
+         "model.norm.weight": np.ones(h, np.float32)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = np.ones(h, np.float32)
+        w[p + "post_attention_layernorm.weight"] = np.ones(h, np.float32)
+        for name, shape in (("self_attn.q_proj", (h, h)), ("self_attn.k_proj", (kv, h)),
+                            ("self_attn.v_proj", (kv, h)), ("self_attn.o_proj", (h, h)),
+                            ("mlp.gate_proj", (f, h)), ("mlp.up_proj", (f, h)),
+                            ("mlp.down_proj", (h, f))):
+            w[p + name + ".weight"] = mat(*shape)
+    return LlamaModel(cfg, w, None, device, dtype)
+
+
+def plan(providers, batches, contexts, modes, orders="both", sampling=("greedy",)) -> list[dict]:
     """The cases in run order: each provider list order (forward, then reversed), provider,
-    context, batch; loop providers with their ``modes``, HF providers with their one mode."""
+    context, batch; loop providers with their ``modes`` (once per ``sampling`` configuration),
+    HF providers with their one mode (greedy)."""
     lists = [("forward", list(providers))]
     if orders == "both" and len(providers) > 1:
         lists.append(("reversed", list(reversed(providers))))
@@ -116,8 +167,9 @@ def plan(providers, batches, contexts, modes, orders="both") -> list[dict]:
                 for batch in batches:
                     ms = list(modes) if name in LOOP_PROVIDERS else [
                         "compile" if name == "hf-compile" else "eager"]
-                    cases.append({"order": order, "provider": name, "context": context,
-                                  "batch": batch, "modes": ms})
+                    for sm in (sampling if name in LOOP_PROVIDERS else ("greedy",)):
+                        cases.append({"order": order, "provider": name, "context": context,
+                                      "batch": batch, "modes": ms, "sampling": sm})
     return cases
 
 
@@ -136,11 +188,14 @@ def _sync(dev):
 
 
 def run_loop(model, backend, token_ids, steps, modes=MODES, warmup=2, kv_cache_dtype="auto",
-             profile=False, count_kernels=True) -> dict:
+             profile=False, count_kernels=True, sampling=None) -> dict:
     """Prefill ``token_ids`` (one list per sequence) on a fresh runner, then per mode time
     ``steps`` decode steps of :class:`DecodeGraphs` from the same prefilled state (a load
-    resets it; the steps rewrite the same slots). Returns ``{mode: {"tpot_s", "tokens"}}``
+    resets it; the steps rewrite the same slots; ``sampling``: the ``SamplingParams`` of a
+    sampled decode, its state reset with each load). Returns ``{mode: {"tpot_s", "tokens"}}``
     plus ``"counts"`` (kernels of one eager step) and ``"profile"`` (kernel table)."""
+    from loomnb.models.graphs import bucket_size
+    from loomnb.models.sampling_params import SamplerState
     from loomnb.models.profiling import kernel_table, step_kernel_counts
 
     dev = model.device
@@ -157,17 +212,26 @@ def run_loop(model, backend, token_ids, steps, modes=MODES, warmup=2, kv_cache_d
         logits = model.compute_logits(torch.cat(last))
         ids = runner.ops.greedy_sample_logprob(logits)[0].to(torch.long)
         positions = torch.tensor([len(t) for t in token_ids], dtype=torch.long, device=dev)
+        state = None
+        if sampling is not None:
+            state = SamplerState(sampling, bucket_size(batch), model.config.vocab_size, dev)
+
+        def load(g):
+            if state is not None:
+                state.load(token_ids)
+            g.load(ids, positions, block_tables)
+
         graphs = {}
         for mode in modes:
             g = graphs[mode] = DecodeGraphs(runner, max_blocks, max(steps, warmup),
-                                            use_graphs=mode == "graph")
-            g.load(ids, positions, block_tables)
+                                            use_graphs=mode == "graph", sampler=state)
+            load(g)
             if mode == "graph":
                 g.capture()
             else:
                 for _ in range(warmup):
                     g.step()
-                g.load(ids, positions, block_tables)
+                load(g)
             _sync(dev)
             t0 = time.perf_counter()
             for _ in range(steps):
@@ -183,7 +247,7 @@ def run_loop(model, backend, token_ids, steps, modes=MODES, warmup=2, kv_cache_d
                 if mode not in graphs:
                     continue
                 g = graphs[mode]
-                g.load(ids, positions, block_tables)
+                load(g)
                 table = kernel_table(lambda g=g: [g.step() for _ in range(n)], n, dev)
                 if table:
                     what = f"{mode} ({'graph replays' if mode == 'graph' else 'eager steps'})"
@@ -259,25 +323,35 @@ def main(argv=None):
     if args.plot:
         print("wrote", plot(args.plot))
         return 0
-    cases = plan(args.providers, args.batches, args.contexts, args.modes, args.orders)
+    cases = plan(args.providers, args.batches, args.contexts, args.modes, args.orders,
+                 args.sampling)
     if args.dry_run:
         for c in cases:
             print(f"{c['order']:8s} {c['provider']:12s} context {c['context']:5d} batch "
-                  f"{c['batch']:3d} {','.join(c['modes'])}")
+                  f"{c['batch']:3d} {','.join(c['modes'])} {c['sampling']}")
         print(f"{len(cases)} cases")
         return 0
-    model = load_model(device=args.device)
+    from loomnb.models.sampling_params import SamplingParams
+
+    if args.random_weights:
+        model = random_model(args.device)
+        prompt_ids = [[(37 * i + 11 * j) % 40000 + 100 for j in range(6 + i)] for i in range(8)]
+    else:
+        model = load_model(device=args.device)
+        prompt_ids = [model.tokenizer.encode(p) for p in PROMPTS]
     dev = model.device
-    prompt_ids = [model.tokenizer.encode(p) for p in PROMPTS]
     hf, hf_error, rows = None, None, []
     loomnb_tokens = {}
     for case in cases:
         name, batch, context = case["provider"], case["batch"], case["context"]
         token_ids = context_token_ids(prompt_ids, batch, context)
-        base = {"order": case["order"], "provider": name, "batch": batch, "context": context}
+        base = {"order": case["order"], "provider": name, "batch": batch, "context": context,
+                "sampling": case["sampling"]}
         if name in LOOP_PROVIDERS:
+            sp = SAMPLING[case["sampling"]]
             res = run_loop(model, name, token_ids, args.steps, case["modes"], args.warmup,
-                           args.kv_cache_dtype, args.profile)
+                           args.kv_cache_dtype, args.profile,
+                           sampling=None if sp is None else SamplingParams(**sp))
             counts = res.get("counts", {})
             eq = (res["graph"]["tokens"] == res["eager"]["tokens"]
                   if {"graph", "eager"} <= set(res) else None)
@@ -295,8 +369,8 @@ def main(argv=None):
                 if mode == case["modes"][-1] and "profile" in res:
                     row["profile"] = res["profile"]
                 rows.append(row)
-                print(f"{case['order']:8s} {name:12s} ctx {context:5d} batch {batch:3d} "
-                      f"{mode:5s}: TPOT {r['tpot_s'] * 1e3:8.3f} ms ({batch / r['tpot_s']:8.0f} "
+                print(f"{case['order']:8s} {name:12s} {case['sampling']:9s} ctx {context:5d} "
+                      f"batch {batch:3d} {mode:5s}: TPOT {r['tpot_s'] * 1e3:8.3f} ms ({batch / r['tpot_s']:8.0f} "
                       f"tok/s); {counts.get('per_step')} kernels/step, "
                       f"{counts.get('per_layer')}/layer; graph == eager: {eq}", flush=True)
             if "profile" in res:
@@ -329,7 +403,10 @@ def main(argv=None):
     gpu = (torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu").replace(" ", "-")
     path = os.path.join(args.out, f"decode_{time.strftime('%Y%m%d-%H%M%S')}_{gpu}.json")
     with open(path, "w") as f:
-        json.dump({"steps": args.steps, "model": "SmolLM2-135M-Instruct Q4_1 (bf16 weights)",
+        json.dump({"steps": args.steps, "model": "SmolLM2-135M-Instruct " + (
+                       "shapes, random bf16 weights (--random-weights)" if args.random_weights
+                       else "Q4_1 (bf16 weights)"),
+                   "sampling": {k: SAMPLING[k] for k in args.sampling},
                    "torch": torch.__version__, "batches": args.batches, "contexts": args.contexts,
                    "providers": args.providers, "kv_cache_dtype": args.kv_cache_dtype,
                    "rows": rows}, f, indent=1)
