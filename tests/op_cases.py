@@ -762,6 +762,26 @@ def _(rng, d, kind, special):
     return (_logits(rng, d, kind, special), _seen(rng, d, 0.1), counts, rep, freq, pres), {}
 
 
+@case("chain_speculative_sampling", "sampler",
+      {"num_reqs": 2, "num_speculative_tokens": 3, "vocab_size": 24},
+      zero=("num_reqs", "num_speculative_tokens", "vocab_size"),
+      ranges={"num_reqs": (1, 3), "num_speculative_tokens": (1, 4), "vocab_size": (1, 40)},
+      kinds=("f32",), recompile_dim="num_reqs")
+def _(rng, d, kind, special):
+    """Target rows and (half the time) draft rows as probabilities, drafts mostly their
+    argmax (often accepted) with an id outside the vocabulary now and then, and (half the
+    time) the two count accumulators."""
+    B, n, V = d["num_reqs"], d["num_speculative_tokens"], d["vocab_size"]
+    tp = _probs(rng, {"num_rows": B * (n + 1), "vocab_size": V}, special).reshape(B, n + 1, V)
+    dp = _probs(rng, {"num_rows": B * n, "vocab_size": V}, special).reshape(B, n, V)
+    ids = np.argmax(tp[:, :n], -1).astype(np.int32) if V else np.zeros((B, n), np.int32)
+    ids = np.where(rng.random((B, n)) < 0.2, rng.integers(-1, V + 2, (B, n)), ids).astype(np.int32)
+    args = (dp if rng.random() < 0.5 else None, ids, tp)
+    if rng.random() < 0.5:
+        args += (rng.integers(0, 9, B).astype(np.int32), rng.integers(0, 9, B).astype(np.int32))
+    return args, _sampler_kwargs(rng, B)
+
+
 # ---------------------------------------------------------------- spec_decode
 SPEC_DIMS = {"num_reqs": 3, "max_spec_len": 3, "vocab_size": 20}
 SPEC_RANGES = {"num_reqs": (1, 4), "max_spec_len": (1, 4), "vocab_size": (2, 40)}

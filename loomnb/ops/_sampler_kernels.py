@@ -6,7 +6,10 @@ vLLM's formulas in its order (see ``loomnb.ops.sampler``), every step rounded as
 op and torch's in-place float32 arithmetic round it.
 
 **The row kernel** (``row_kernel``): one block a row, several passes over the row (the row is
-read from L2 after the first). Every filter keeps a prefix of the row's tokens in descending
+read from L2 after the first). A pass loads ``G = 4`` units a thread before it uses any: 16-byte
+vectors where every row is 16-byte aligned and holds whole vectors (layout "vec"), four
+elements read one by one otherwise ("scalar"), so a pass is bound by bytes, not by one load's
+latency. Every filter keeps a prefix of the row's tokens in descending
 order of their ordered 32-bit key (the float's bits made unsigned-monotone: ``+-0`` as one key,
 NaN below everything and never kept), so each filter is a threshold on that key, found by a
 radix select: four levels of 8-bit digits, most significant first; at each level the block
@@ -27,6 +30,16 @@ a row's values share a few exponents -- add to different words; the copies are s
   make the choice independent of the order of the atomics (deterministic).
 * min-p: a predicate, ``w >= min_p`` from logits (``p / p_max >= min_p``) or ``p >= r32(p_max *
   min_p)`` from probabilities.
+
+At each level one block scan over the 256 bins (from the top) gives every bin the weight above
+it; the bins that reach the target take a shared atomic min, the non-empty ones an atomic max
+(the last non-empty bin when none reaches it): one barrier a level. **Candidates**: as soon as
+top-k's select finds at most ``CAP = 1024`` eligible elements at or above the prefix found so
+far, one pass copies them into shared memory as uint64 order keys (value, then index: the
+value is recovered from the key), and the remaining levels, top-p over the top-k set and the
+sample read those instead of the row (the kept set is inside them). So a top-k + top-p sample
+reads the row 3-4 times (the max, one or two levels, the copy) instead of 10. Top-p alone (or
+"joint") selects over the whole row.
 
 Then the row's output: a sample is the Gumbel-max over the kept tokens, ``argmax r32(s + g)``
 with ``s = r32(x / T)`` (or ``log p``) and ``g = -log(-log(u))``, ``u`` from Philox-4x32-10
@@ -554,6 +567,8 @@ def penalty_kernel(spec):
 
 
 def argtypes(spec):
+    if isinstance(spec, ChainSpec):
+        return _chain_argtypes(spec)
     return _row_argtypes(spec) if isinstance(spec, RowSpec) else _penalty_argtypes(spec)
 
 
@@ -578,4 +593,208 @@ def variants():
     for layout in LAYOUTS:
         spec = RowSpec("f32", "probs", "renorm", layout=layout)
         out.append((row_kernel, spec, argtypes(spec)))
+    for draft in (True, False):
+        for layout in LAYOUTS:
+            spec = ChainSpec(draft, layout)
+            out.append((chain_kernel, spec, argtypes(spec)))
     return out
+
+
+# ---------------------------------------------------------------- chain speculative sampling
+# One block a request verifies its whole chain of draft tokens in one launch (see
+# ``loomnb.ops.sampler.chain_speculative_sampling`` for the rule):
+#
+# 1. the threads verify positions ``j = tid, tid + blockDim, ...`` of the chain at once -- each
+#    reads ``p(d)`` and ``q(d)`` of its draft token ``d`` and its uniform ``u_j`` -- and a
+#    shared 64-bit atomic add counts the accepted positions, an atomic min finds the first
+#    rejected one (``pos``; ``n`` when every draft is accepted);
+# 2. the accepted drafts are copied to ``out[b, :pos]``, ``-1`` after ``pos``, the two counts
+#    added to (or written into) ``acc[b]`` / ``emi[b]``;
+# 3. one pass over position ``pos``'s rows (16-byte loads of both rows where they are aligned,
+#    ``_row_pass``/``_unit_loader``) draws ``out[b, pos] = argmax_i r32(log r_i + g_i)`` over
+#    the residual ``r = relu(p - q)`` (without draft probabilities: ``p`` with ``p(d)`` zeroed;
+#    at the bonus position ``pos = n``: ``p``), lowest index on a tie; an empty residual takes a
+#    second pass over ``p``, a ``p`` with no positive entry a third (its argmax).
+#
+# Philox streams: counter word 0 is ``(stream << SPEC_STREAM_SHIFT) | (i >> 2)`` for token (or
+# position) ``i``, word ``i & 3``; the other counter words and the key are the row kernel's
+# (``salt`` = the request unless every request has its own seed, the offset, the seed). Stream
+# ``SPEC_ACCEPT_STREAM`` holds the acceptance uniforms (``i = j``), stream ``SPEC_GUMBEL_STREAM
+# + j`` position ``j``'s Gumbel variates (``i`` = the token); the row kernel's draws are stream
+# 0, so no draw of this kernel repeats one of the other sampling ops for the same seed.
+from ._philox import uniform  # noqa: E402  (the acceptance uniforms; the rest draws Gumbels)
+
+SPEC_STREAM_SHIFT = 20      # tokens < 2^21 (MAX_VOCAB): i >> 2 < 2^19 fits below the stream
+SPEC_ACCEPT_STREAM = 1
+SPEC_GUMBEL_STREAM = 2      # position j's stream: 2 + j (j = n: the bonus token)
+SPEC_MAX_DRAFTS = 1024      # streams up to 2 + 1024 < 2^12: counter word 0 stays 32 bits
+
+
+@dataclass(frozen=True)
+class ChainSpec:
+    draft: bool = True    # draft probabilities given (else one-hot drafts: q = e_d)
+    layout: str = "vec"   # "vec": 16-byte loads (rows aligned, whole units); "scalar"
+    output = "chain"      # what the kernel writes (a RowSpec's "sample"/"mask"/"renorm")
+
+    def __post_init__(self):
+        assert self.layout in LAYOUTS
+
+
+def _chain_argtypes(spec):
+    rows = "uint32" if spec.layout == "vec" else "float32"
+    i64 = L.i64(0).numba_type
+    return (L.array_type(rows, 3), L.array_type("int32", 2), L.array_type(rows, 3),
+            L.array_type("int32", 2), L.array_type("int32", 1), L.array_type("int32", 1),
+            L.array_type("int64", 1), L.array_type("int64", 1), i64, i64, i64, i64, i64, i64, i64)
+
+
+@device
+def _philox_words(w0, w1, w2, w3, jj):
+    """Word ``jj`` (0..3) of one Philox output, by branches (no runtime tuple index: no local
+    memory)."""
+    return w0 if jj == 0 else (w1 if jj == 1 else (w2 if jj == 2 else w3))
+
+
+@device
+def _stream_counter(stream, i):
+    """Counter word 0 of token (or position) ``i`` in ``stream``."""
+    return uint32((uint32(stream) << uint32(SPEC_STREAM_SHIFT)) | uint32(i >> 2))
+
+
+@device
+def _request_key(sd, so, seed_val, off_val, per_row_seed, row):
+    """``(salt, c2, c3, k0, k1)``: the Philox counter words 1-3 and key of request ``row``, as
+    the row kernel derives them from the seed and offset arguments."""
+    seed = seed_val
+    off = off_val
+    if sd.shape[0] > 0:
+        seed = sd[row] if per_row_seed != 0 else sd[0]
+    if so.shape[0] > 0:
+        off = so[row] if so.shape[0] > 1 else so[0]
+    salt = uint32(0) if per_row_seed != 0 else uint32(row)
+    useed = uint64(seed)
+    uoff = uint64(off)
+    return (salt, uint32(uoff & uint64(0xFFFFFFFF)), uint32(uoff >> uint64(32)),
+            uint32(useed & uint64(0xFFFFFFFF)), uint32(useed >> uint64(32)))
+
+
+def chain_kernel(spec):
+    """The ``@cuda.jit`` function of ``spec``. Parameters: ``draft_probs [B, n, V]`` (absent
+    without draft probabilities), ``draft_token_ids [B, n]`` int32, ``target_probs [B, n + 1,
+    V]`` (layout "vec": rows as uint32 words), ``out [B, n + 1]``, ``acc [B]``, ``emi [B]``
+    int32, the ``seed``, ``offset`` int64 arrays (length 0 where the scalar after them holds),
+    ``seed, offset`` scalars, ``per_row_seed``, ``add_acc``, ``add_emi`` (1: add the count to
+    the array, 0: write it), ``n``, ``V``. Grid: one block a request."""
+    UE, load = _unit_loader("f32", spec.layout)
+    one = row_loader("f32", spec.layout)[1]
+    assert UE == 4  # one Philox call (four words) serves a unit's four tokens
+    DRAFT = spec.draft
+    NEG_INF = float32(-math.inf)
+
+    @device
+    def load_pq(rows, u, V):
+        return load(rows[0], u, V), load(rows[1], u, V)
+
+    @device
+    def draw(best, r, i, w, drawn, ctx):
+        """``best`` with token ``i`` of residual mass ``r`` (used when ``r > 0``) in the race;
+        ``w`` the unit's Philox words, drawn at the first token that needs them."""
+        c0, salt, c2, c3, k0, k1, skip = ctx
+        if r > float32(0):
+            if not drawn:
+                w = philox(uint32(c0 | uint32(i >> 2)), salt, c2, c3, k0, k1)
+                drawn = True
+            g = gumbel(_philox_words(w[0], w[1], w[2], w[3], i & 3))
+            best = umax(best, order_key(float32(float32(math.log(r)) + g), i))
+        return best, w, drawn
+
+    @device
+    def v_residual(a, i0, V, best, ctx):  # a = (p unit, q unit): r = relu(p - q)
+        pu, qu = a
+        w = (uint32(0), uint32(0), uint32(0), uint32(0))
+        drawn = False
+        for j in range(UE):
+            if i0 + j < V:
+                d = float32(pu[j] - qu[j])
+                best, w, drawn = draw(best, d if d > float32(0) else float32(0), i0 + j, w,
+                                      drawn, ctx)
+        return best
+
+    @device
+    def v_target(a, i0, V, best, ctx):  # a = p unit: r = p, token ctx[6] excluded
+        w = (uint32(0), uint32(0), uint32(0), uint32(0))
+        drawn = False
+        for j in range(UE):
+            if i0 + j < V:
+                v = a[j]
+                best, w, drawn = draw(best, v if i0 + j != ctx[6] else float32(0), i0 + j, w,
+                                      drawn, ctx)
+        return best
+
+    @device
+    def v_argmax(a, i0, V, best, ctx):  # the lowest index of the largest (NaN as -inf)
+        for j in range(UE):
+            if i0 + j < V:
+                v = a[j]
+                best = umax(best, order_key(v if v == v else NEG_INF, i0 + j))
+        return best
+
+    residual_pass = _row_pass(UE, load_pq, v_residual)
+    target_pass = _row_pass(UE, load, v_target)
+    argmax_pass = _row_pass(UE, load, v_argmax)
+
+    def kernel(dp, ids, tp, out, acc, emi, sd, so, seed_val, off_val, per_row_seed, add_acc,
+               add_emi, n, V):
+        b = int64(cuda.blockIdx.x)
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        scr_u = cuda.shared.array(REDUCE_SCRATCH, uint64)
+        chain = cuda.shared.array(2, int64)  # [first rejected position, accepted positions]
+        salt, c2, c3, k0, k1 = _request_key(sd, so, seed_val, off_val, per_row_seed, b)
+        if tid == 0:
+            chain[0] = n
+            chain[1] = int64(0)
+        cuda.syncthreads()
+        for j in range(tid, n, nt):  # every position verified at once
+            d = int64(ids[b, j])
+            pd = float32(0)
+            qd = float32(0)
+            if d >= 0 and d < V:  # an id outside the vocabulary reads p(d) = q(d) = 0
+                pd = one(tp[b, j], d)
+                qd = one(dp[b, j], d) if DRAFT else float32(1)
+            w0, w1, w2, w3 = philox(_stream_counter(SPEC_ACCEPT_STREAM, j), salt, c2, c3, k0, k1)
+            u = uniform(_philox_words(w0, w1, w2, w3, j & 3))
+            if float32(u * qd) < pd:
+                cuda.atomic.add(chain, 1, int64(1))
+            else:
+                cuda.atomic.min(chain, 0, int64(j))
+        cuda.syncthreads()
+        pos = chain[0]
+        for j in range(tid, n + 1, nt):
+            if j < pos:
+                out[b, j] = ids[b, j]
+            elif j > pos:
+                out[b, j] = int32(-1)
+        if tid == 0:
+            acc[b] = int32((int64(acc[b]) if add_acc != 0 else int64(0)) + chain[1])
+            emi[b] = int32((int64(emi[b]) if add_emi != 0 else int64(0)) + pos)
+
+        ctx = (_stream_counter(SPEC_GUMBEL_STREAM + pos, 0), salt, c2, c3, k0, k1, int64(-1))
+        prow = tp[b, pos]
+        if DRAFT and pos < n:
+            best = residual_pass((prow, dp[b, pos]), V, uint64(0), ctx)
+        else:
+            skip = int64(ids[b, pos]) if pos < n else int64(-1)  # one-hot q: p without p(d)
+            best = target_pass(prow, V, uint64(0), (ctx[0], salt, c2, c3, k0, k1, skip))
+        best = block_max_u64(best, scr_u)
+        cuda.syncthreads()
+        if best == uint64(0) and pos < n:  # an empty residual: a sample from p
+            best = block_max_u64(target_pass(prow, V, uint64(0), ctx), scr_u)
+            cuda.syncthreads()
+        if best == uint64(0):  # no positive p: its argmax
+            best = block_max_u64(argmax_pass(prow, V, uint64(0), ctx), scr_u)
+        if tid == 0:
+            out[b, pos] = int32(key_index(best))
+
+    kernel.__name__ = f"sampler_chain_speculative_{'draft' if DRAFT else 'onehot'}_{spec.layout}"
+    return kernel

@@ -629,3 +629,190 @@ for _op in (top_k_top_p_sampling_from_logits, top_k_top_p_sampling_from_probs,
     _op.__doc__ = _op.__doc__.replace("{raises}", _RAISES).replace("{sampling_args}",
                                                                    _SAMPLING_ARGS)
 del _op
+
+
+# ---------------------------------------------------------------- chain speculative sampling
+from ._sampler_kernels import (SPEC_MAX_DRAFTS, ChainSpec,  # noqa: E402
+                               chain_kernel)
+
+__all__ += ["chain_speculative_sampling"]
+
+
+def _chain_rows(op, name, obj, B, rows, V, like):
+    """``draft_probs``/``target_probs``: fp32 ``[B, rows, V]``, last dimension contiguous, on
+    ``like``'s device (``like`` None: this is the array the others are checked against)."""
+    a = ad.wrap(op, name, obj)
+    check_kind(op, name, a, ("f32",))
+    check_ndim(op, name, a, 3)
+    sym = "num_speculative_tokens" + (" + 1" if name == "target_probs" else "")
+    if V is None:
+        if a.shape[:2] != (B, rows) or not 1 <= a.shape[2] <= MAX_VOCAB:
+            C.fail_value(op, name, f"of shape [batch_size, {sym}, vocab_size] = [{B}, {rows}, "
+                         f"vocab_size] with 1 <= vocab_size <= {MAX_VOCAB}",
+                         f"shape {list(a.shape)}")
+    else:
+        check_shape(op, name, a, (B, rows, V), f"[batch_size, {sym}, vocab_size], vocab_size "
+                    "from 'target_probs'")
+    if a.size > 0 and a.shape[2] > 1 and a.strides[2] != 1:
+        C.fail_value(op, name, "contiguous in its last dimension (stride 1)",
+                     f"strides {a.strides} (in elements)")
+    if like is not None:
+        check_same_device(op, name, a, "target_probs", like)
+    return a
+
+
+def _fake_chain(draft_probs, draft_token_ids, target_probs, *_, **__):
+    B, n = draft_token_ids.shape
+    # zeros: the .out form fills the accumulators the caller did not pass, and adds to them
+    return (draft_token_ids.new_empty((B, n + 1)),
+            draft_token_ids.new_zeros((B,)), draft_token_ids.new_zeros((B,)))
+
+
+@torch_op("Tensor? draft_probs, Tensor draft_token_ids, Tensor target_probs, "
+          "bool deterministic=True, " + _SEEDS,
+          outputs=("out", "maybe_output_accepted_token_num",
+                   "maybe_output_emitted_draft_token_num"), fake=_fake_chain)
+def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs,
+                               maybe_output_accepted_token_num=None,
+                               maybe_output_emitted_draft_token_num=None, deterministic=True,
+                               generator=None, seed=None, offset=None, *, out=None, stream=None,
+                               launch_key=None):
+    """Verify a chain of ``n`` draft tokens per request against the target model by rejection
+    sampling (speculative sampling), all requests and positions in one launch.
+
+    For request ``b`` and position ``j = 0 .. n-1``, with ``d = draft_token_ids[b, j]``, ``p =
+    target_probs[b, j]`` and ``q = draft_probs[b, j]`` (without ``draft_probs``: ``q`` is the
+    one-hot of ``d``, as n-gram drafts; ``q(d) = 1``)::
+
+        accept_j = r32(u_j * q(d)) < p(d)          (u_j uniform in (0, 1), Philox below)
+        pos      = the first j with not accept_j   (n if there is none)
+        out[b, j] = d_j for j < pos;  out[b, pos] = t;  out[b, j] = -1 for j > pos
+        t ~ relu(p - q) normalised at j = pos < n  (one-hot q: p with p(d) set to 0)
+        t ~ target_probs[b, n]                     at pos = n (the bonus token)
+
+    ``t = argmax_i r32(log r_i + g_i)`` over the tokens of positive mass ``r_i`` (``r = p - q``
+    in float32 where positive, else 0; NaN counts as 0), the lowest index on a tie: a Gumbel-max
+    draw from ``r`` normalised. If the residual has no positive entry, ``t`` is drawn from ``p``
+    the same way, and if ``p`` has none either, ``t`` is the argmax of ``p`` (lowest index, NaN
+    as ``-inf``). A draft id outside ``[0, vocab_size)`` reads ``p(d) = q(d) = 0``: it is
+    rejected, and the residual is the whole ``relu(p - q)`` (one-hot drafts: ``p``). NaN in
+    ``p(d)`` or ``q(d)`` rejects. The rule samples exactly from the target distribution at every
+    emitted position (the rejection-sampling theorem) whatever ``q`` is.
+
+    Counts, as FlashInfer defines them:
+
+    * ``output_emitted_draft_token_num[b] = pos``: the accepted drafts emitted before the
+      first rejection (``out[b]`` holds ``pos + 1`` tokens);
+    * ``output_accepted_token_num[b] = sum_j accept_j``: the positions whose draft would be
+      accepted if each were verified on its own (not stopping at the first rejection), for
+      acceptance-rate statistics; its expectation over ``d ~ q`` is ``sum_j sum_t min(p_j(t),
+      q_j(t))``.
+
+    Given ``maybe_output_accepted_token_num`` / ``maybe_output_emitted_draft_token_num``, the
+    counts are *added* to them in place (int32, wrapping) and they are returned; otherwise new
+    arrays hold the counts.
+
+    **Random numbers.** Philox-4x32-10 as the other sampling ops (module docstring): key
+    ``seed``, counter ``(c0, salt, offset_lo, offset_hi)``, word ``i & 3``, ``salt`` the request
+    ``b`` (an int ``seed``) or 0 (a ``[batch_size]`` seed tensor: a request's draws depend on its
+    seed, not on where it sits in the batch). ``c0 = (stream << 20) | (i >> 2)``: stream 1 holds
+    the acceptance uniforms (``i = j``, ``u_j = uniform(word)``), stream ``2 + j`` the Gumbel
+    variates of position ``j``'s draw (``i`` the token; ``j = n`` the bonus token). Every draw
+    depends only on (seed, offset, request or its seed, position, token), never on the batch
+    layout or the launch configuration; the other sampling ops draw stream 0.
+
+    Args:
+        draft_probs: ``[batch_size, num_speculative_tokens, vocab_size]`` fp32, or None (one-hot
+            drafts). Last dimension contiguous. Not modified.
+        draft_token_ids: ``[batch_size, num_speculative_tokens]`` int32,
+            ``1 <= num_speculative_tokens <= 1024``. Not modified; its values are not checked
+            (an id outside the vocabulary is rejected, above).
+        target_probs: ``[batch_size, num_speculative_tokens + 1, vocab_size]`` fp32, ``1 <=
+            vocab_size <= 2^21``, last dimension contiguous. Not modified.
+        maybe_output_accepted_token_num, maybe_output_emitted_draft_token_num: optional
+            ``[batch_size]`` int32 accumulators, added to in place.
+        deterministic: accepted for FlashInfer's signature; the result is always
+            deterministic for a given seed.
+        generator: optional ``torch.Generator`` the seed is drawn from (when ``seed`` is None).
+        seed, offset: an int, or an int64 tensor ``[batch_size]`` or ``[1]`` (a device offset
+            tensor that a CUDA graph's step increments keeps each replay drawing fresh numbers);
+            without a seed, one is drawn (as the other sampling ops).
+        out: optional ``[batch_size, num_speculative_tokens + 1]`` int32 output for the token
+            ids (loomnb's addition); allocated when None.
+        stream: CUDA stream; default the caller's current stream.
+
+    Returns ``(output_token_ids, output_accepted_token_num, output_emitted_draft_token_num)``:
+    ``[batch_size, num_speculative_tokens + 1]`` int32 padded with -1, and two ``[batch_size]``
+    int32 (the accumulators when given). Mutates only ``out`` and the two accumulators.
+
+    Raises ``LoomnbTypeError`` (a ``TypeError``) for a wrong dtype, a host or unknown array or a
+    parameter of the wrong type, ``LoomnbValueError`` (a ``ValueError``) for shapes (the three
+    inputs' ``batch_size``, ``num_speculative_tokens`` and ``vocab_size`` must agree), layout,
+    devices, ``num_speculative_tokens`` outside ``[1, 1024]``, overlapping or read-only outputs
+    -- before any launch; nothing is modified. ``batch_size = 0`` is a no-op (empty outputs).
+
+    Matches FlashInfer 0.6.12's ``chain_speculative_sampling`` (name, arguments, outputs, the
+    acceptance test ``u * q(d) < p(d)``, the residual, the -1 padding, the in-place counts; its
+    distribution, not its tokens: FlashInfer draws from a cuRAND state by inverse CDF). Where
+    loomnb differs: ``draft_probs=None`` (one-hot drafts) and ``out=`` are loomnb's; the
+    accepted count uses the chain's own ``u_j`` at every position (FlashInfer draws a fresh
+    uniform for the position that stopped the chain, so it may count it); an id outside the
+    vocabulary is rejected (FlashInfer reads out of bounds); an empty residual draws from ``p``
+    (FlashInfer's answer is then undefined).
+    """
+    op = "loomnb.chain_speculative_sampling"
+    ida = ad.wrap(op, "draft_token_ids", draft_token_ids)
+    check_kind(op, "draft_token_ids", ida, ("i32",))
+    check_ndim(op, "draft_token_ids", ida, 2)
+    B, n = ida.shape
+    if not 1 <= n <= SPEC_MAX_DRAFTS:
+        C.fail_value(op, "draft_token_ids", "of shape [batch_size, num_speculative_tokens] "
+                     f"with 1 <= num_speculative_tokens <= {SPEC_MAX_DRAFTS}",
+                     f"shape {list(ida.shape)}")
+    tpa = _chain_rows(op, "target_probs", target_probs, B, n + 1, None, None)
+    V = tpa.shape[2]
+    check_same_device(op, "draft_token_ids", ida, "target_probs", tpa)
+    dpa = None
+    if draft_probs is not None:
+        dpa = _chain_rows(op, "draft_probs", draft_probs, B, n, V, tpa)
+    C.flag(op, "deterministic", deterministic)
+    torch = ad._torch
+    if generator is not None and (torch is None or not isinstance(generator, torch.Generator)
+                                  or tpa.lib != "torch"):
+        C.fail_type(op, "generator", "a torch.Generator (with torch tensors) or None",
+                    repr(generator))
+    ids = C.output(op, "out", out, like=tpa, kind="i32", shape=(B, n + 1),
+                   like_name="target_probs")
+    acc = C.output(op, "maybe_output_accepted_token_num", maybe_output_accepted_token_num,
+                   like=tpa, kind="i32", shape=(B,), like_name="target_probs")
+    emi = C.output(op, "maybe_output_emitted_draft_token_num",
+                   maybe_output_emitted_draft_token_num, like=tpa, kind="i32", shape=(B,),
+                   like_name="target_probs")
+    if seed is not None:
+        sa, sv = _seed_arg(op, "seed", seed, tpa)
+    else:
+        sa, sv = _draw_seed(op, tpa, generator)
+        if sa is not None:
+            sa = ad.wrap(op, "seed", sa)
+        launch_key = None  # a fresh seed every call: nothing to replay
+    oa, ov = _seed_arg(op, "offset", offset, tpa) if offset is not None else (None, 0)
+    C.no_overlap(op, {"out": ids, "maybe_output_accepted_token_num": acc,
+                      "maybe_output_emitted_draft_token_num": emi},
+                 {"draft_probs": dpa, "draft_token_ids": ida, "target_probs": tpa, "seed": sa,
+                  "offset": oa})
+    result = (ids.obj, acc.obj, emi.obj)
+    if B == 0:
+        return result
+    vec = C.vectors_ok(tpa, dpa)  # 16-byte loads where every row of both allows them
+    spec = ChainSpec(dpa is not None, "vec" if vec else "scalar")
+    rows = "uint32" if vec else "float32"
+    params = [L.array(dpa, words=vec) if dpa is not None else L.absent(rows, 3),
+              L.array(ida), L.array(tpa, words=vec), L.array(ids), L.array(acc), L.array(emi),
+              L.array(sa) if sa is not None else L.absent("int64", 1),
+              L.array(oa) if oa is not None else L.absent("int64", 1),
+              L.i64(sv), L.i64(ov), L.i64(int(sa is not None and sa.shape[0] > 1)),
+              L.i64(int(maybe_output_accepted_token_num is not None)),
+              L.i64(int(maybe_output_emitted_draft_token_num is not None)), L.i64(n), L.i64(V)]
+    L.launch(chain_kernel, spec, B, _threads(V), params, like=tpa, stream=stream,
+             key=launch_key)
+    return result

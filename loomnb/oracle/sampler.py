@@ -305,3 +305,101 @@ def apply_penalties_(logits, prompt_token_mask, output_token_counts, repetition_
         x -= (f * counts.astype(np.float32)).astype(np.float32)
         x -= (pr * (counts > 0).astype(np.float32)).astype(np.float32)
     return logits
+
+
+# ---------------------------------------------------------------- chain speculative sampling
+__all__ += ["chain_speculative_sampling"]
+
+SPEC_STREAM_SHIFT = 20   # counter word 0 = (stream << 20) | (i >> 2)
+SPEC_ACCEPT_STREAM = 1   # the acceptance uniforms, i = the position
+SPEC_GUMBEL_STREAM = 2   # position j's Gumbel variates: stream 2 + j, i = the token
+
+
+def stream_words(count, stream, seed, offset, salt):
+    """The Philox words of ``i = 0 .. count-1`` in ``stream`` for requests of ``seed``,
+    ``offset``, ``salt`` (arrays ``[B]``; ``stream`` a number or ``[B]``): ``[B, count]``, key
+    ``seed``, counter ``((stream << 20) | (i >> 2), salt, offset_lo, offset_hi)``, word
+    ``i & 3``."""
+    col = lambda v: np.asarray(v, np.int64).reshape(-1, 1).view(np.uint64)  # noqa: E731
+    i = np.arange(count, dtype=np.uint64)[None, :]
+    seed, offset, salt = col(seed), col(offset), col(salt)
+    stream = np.asarray(stream, np.uint64).reshape(-1, 1)
+    low = np.uint64(0xFFFFFFFF)
+    c0 = (stream << np.uint64(SPEC_STREAM_SHIFT)) | (i >> np.uint64(2))
+    words = philox(c0, salt, offset & low, offset >> np.uint64(32), seed & low,
+                   seed >> np.uint64(32))
+    return np.choose(np.broadcast_to((i & np.uint64(3)).astype(np.int64), c0.shape), words)
+
+
+def _gumbel_max(r, g):
+    """Per row: the lowest index of the largest ``r32(log r_i + g_i)`` over ``r_i > 0``, -1
+    where no ``r_i > 0``."""
+    pos = r > 0
+    score = (_log32(np.where(pos, r, np.float32(1))) + g).astype(np.float32)
+    sk = np.where(pos, keys(score).astype(np.int64), -1)
+    return np.where(pos.any(1), np.argmax(sk, 1), -1)
+
+
+def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs,
+                               maybe_output_accepted_token_num=None,
+                               maybe_output_emitted_draft_token_num=None, deterministic=True,
+                               generator=None, seed=None, offset=None, *, out=None, stream=None):
+    """FlashInfer's chain speculative sampling with loomnb's rule and random streams (the op's
+    docstring), every request at once: ``accept_j = r32(u_j * q(d)) < p(d)`` (``u_j`` from
+    stream 1; an id outside ``[0, V)`` reads ``p(d) = q(d) = 0``), ``pos`` the first rejected
+    position (``n`` if none); at ``pos < n`` a Gumbel-max draw (stream ``2 + pos``) from
+    ``relu(p - q)`` (one-hot drafts: ``p`` with ``p(d) = 0``), from ``p`` if that is empty, else
+    ``p``'s argmax; at ``pos = n`` the bonus token from ``target_probs[b, n]``. The
+    accumulators, when given, are added to in place (int32, wrapping)."""
+    d = np.asarray(draft_token_ids).astype(np.int64)
+    tp = np.asarray(target_probs, np.float32)
+    dp = None if draft_probs is None else np.asarray(draft_probs, np.float32)
+    B, n = d.shape
+    V = tp.shape[2]
+    if seed is None:
+        seed = int(np.random.randint(0, 2 ** 62))
+    sa = np.asarray(seed, np.int64).reshape(-1)
+    oa = np.asarray(0 if offset is None else offset, np.int64).reshape(-1)
+    per_row = sa.size > 1
+    if B == 0:
+        return (_into(out, np.zeros((0, n + 1), np.int32)),
+                *(np.zeros(0, np.int32) if a is None else a for a in
+                  (maybe_output_accepted_token_num, maybe_output_emitted_draft_token_num)))
+    rows = np.arange(B)
+    s = sa if per_row else np.broadcast_to(sa[0], (B,))
+    o = oa if oa.size > 1 else np.broadcast_to(oa[0], (B,))
+    salt = np.zeros(B, np.int64) if per_row else rows
+    u = uniform(stream_words(n, SPEC_ACCEPT_STREAM, s, o, salt))
+    ok = (d >= 0) & (d < V)
+    dc = np.where(ok, d, 0)
+    at = (rows[:, None], np.arange(n)[None, :], dc)
+    pd = np.where(ok, tp[at], np.float32(0)).astype(np.float32)
+    qd = np.where(ok, dp[at] if dp is not None else np.float32(1), np.float32(0)).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        acc = (u * qd).astype(np.float32) < pd
+    pos = np.where(acc.all(1), n, np.argmin(acc, 1))
+    res = np.where(np.arange(n + 1)[None, :] < pos[:, None], np.pad(d, ((0, 0), (0, 1))), -1)
+    p = tp[rows, pos]
+    g = gumbel(stream_words(V, SPEC_GUMBEL_STREAM + pos, s, o, salt))
+    drafted = pos < n
+    with np.errstate(invalid="ignore"):
+        if dp is not None:
+            r = np.where(drafted[:, None], (p - dp[rows, np.minimum(pos, n - 1)]), p)
+        else:
+            dpos = np.where(drafted, np.pad(d, ((0, 0), (0, 1)))[rows, pos], -1)
+            r = np.where(np.arange(V)[None, :] == dpos[:, None], np.float32(0), p)
+        r = np.where(r > 0, r, np.float32(0)).astype(np.float32)
+        t = _gumbel_max(r, g)
+        t = np.where((t < 0) & drafted, _gumbel_max(np.where(p > 0, p, np.float32(0)), g), t)
+    argmax = np.argmax(keys(np.where(np.isnan(p), np.float32(-np.inf), p)), 1) if V else 0
+    res[rows, pos] = np.where(t < 0, argmax, t)
+    counts = []
+    for given, c in ((maybe_output_accepted_token_num, acc.sum(1)),
+                     (maybe_output_emitted_draft_token_num, pos)):
+        if given is None:
+            counts.append(c.astype(np.int32))
+        else:
+            a = np.asarray(given)
+            a[...] = (a.astype(np.int64) + c).astype(np.int32)
+            counts.append(given)
+    return _into(out, res.astype(np.int32)), counts[0], counts[1]
