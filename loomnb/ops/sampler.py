@@ -58,14 +58,15 @@ from .._dtypes import storage_dtype
 from ..checks import check_kind, check_ndim, check_same_device, check_shape
 from . import _contract as C
 from . import _launch as L
-from ._sampler_kernels import CAP, PenaltySpec, RowSpec, penalty_kernel, row_kernel
+from ._sampler_kernels import (CAP, SPEC_MAX_DRAFTS, ChainSpec, PenaltySpec, RowSpec,
+                               chain_kernel, penalty_kernel, row_kernel)
 from ._torch_ops import torch_op
 
 __all__ = ["top_k_top_p_sampling_from_logits", "top_k_top_p_sampling_from_probs",
            "sampling_from_logits", "sampling_from_probs", "top_k_sampling_from_probs",
            "top_p_sampling_from_probs", "min_p_sampling_from_probs", "top_k_mask_logits",
            "top_k_renorm_probs", "top_p_renorm_probs", "apply_repetition_penalties_",
-           "apply_penalties_"]
+           "apply_penalties_", "chain_speculative_sampling"]
 
 LOGITS_KINDS = ("f32", "bf16", "f16")
 THREADS = 512                 # threads of a row block (fewer for short rows)
@@ -632,12 +633,6 @@ del _op
 
 
 # ---------------------------------------------------------------- chain speculative sampling
-from ._sampler_kernels import (SPEC_MAX_DRAFTS, ChainSpec,  # noqa: E402
-                               chain_kernel)
-
-__all__ += ["chain_speculative_sampling"]
-
-
 def _chain_rows(op, name, obj, B, rows, V, like):
     """``draft_probs``/``target_probs``: fp32 ``[B, rows, V]``, last dimension contiguous, on
     ``like``'s device (``like`` None: this is the array the others are checked against)."""
