@@ -25,6 +25,12 @@ assumptions change. What we rely on:
    answers that question with the requested ``cc`` so CI can compile every kernel on a CPU.
 5. **The compiled function handle**: ``dispatcher.overloads[argtypes]._codelibrary.get_cufunc()``
    (loads the module into the current context) and its ``.handle``.
+6. **The simulator's shared-memory allocator** (``FakeCUDAShared.array``): it keys a block's
+   shared arrays by the calling source line and creates one on first use with an unlocked
+   check-then-insert, so two threads that reach a line together can each create their own
+   array and no longer see each other's writes (a race CPython's thread switching hides only
+   at coarse switch intervals). :func:`_lock_sim_shared_arrays` wraps it in a lock; the
+   simulator's results are otherwise unchanged.
 """
 
 from __future__ import annotations
@@ -37,6 +43,46 @@ from numba import types
 from numba.cuda import config as _config
 
 SIM = bool(_config.ENABLE_CUDASIM)
+
+
+def _lock_sim_shared_arrays():
+    """Simulator only: ``FakeCUDAShared.array`` with its first allocation at a line made atomic
+    (item 6 of the module docstring), the same keys (the caller's file and line, read from its
+    frame rather than a formatted stack). Idempotent."""
+    import sys
+    import threading
+
+    import numpy as np
+    from numba.cuda.simulator import kernelapi
+    from numba.np import numpy_support
+
+    cls = kernelapi.FakeCUDAShared
+    if getattr(cls.array, "_loomnb_locked", False):
+        return
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if alignment is not None:
+            raise RuntimeError("Array alignment is not supported in cudasim")
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        if shape == 0:  # dynamic shared memory: one buffer
+            count = self._dynshared_size // dtype.itemsize
+            return np.frombuffer(self._dynshared.data, dtype=dtype, count=count)
+        f = sys._getframe(1)
+        caller = (f.f_code.co_filename, f.f_lineno)
+        with lock:
+            res = self._allocations.get(caller)
+            if res is None:
+                res = self._allocations[caller] = np.empty(shape, dtype)
+        return res
+
+    array._loomnb_locked = True
+    cls.array = array
+
+
+if SIM:
+    _lock_sim_shared_arrays()
 
 if not SIM:
     from llvmlite import ir

@@ -15,7 +15,7 @@ import os
 import pytest
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
-SAMPLER_SWITCH = 1e-4  # seconds: the sampler tests' thread switch interval under the simulator
+SIM_SWITCH = 1e-4  # seconds: the thread switch interval of the simulator pass
 
 
 def _has_gpu():
@@ -118,30 +118,21 @@ def _split_counters_left_at_zero(request):
         pytest.fail("split counters left nonzero after this test: " + "; ".join(bad))
 
 
-@pytest.fixture(autouse=True)
-def _fast_thread_switch(request):
+@pytest.fixture(autouse=True, scope="session")
+def _fast_thread_switch():
     """The simulator runs a block's threads as Python threads that meet at every barrier; at
-    CPython's default 5 ms switch interval a barrier of 32 threads waits ~0.15 s for its turns,
-    so the sampler's radix select (dozens of barriers a row) took 10-20 s a call. Its tests run
-    at 0.1 ms (5-15x faster). Not every test: at 0.1 ms seven simulator tests of other families
-    fail (attention, strided group reductions, moe routing, greedy_verify) -- their simulator
-    twins race when threads interleave finely, which the default interval hides."""
-    params = getattr(getattr(request.node, "callspec", None), "params", {})
-    sampler = "sampler" in request.node.nodeid or _is_sampler_op(params.get("name"))
-    if not SIM or not sampler:
+    CPython's default 5 ms switch interval a barrier of 32 threads waits ~0.15 s for its turns
+    (the sampler's radix select, dozens of barriers a row, took 10-20 s a call). The simulator
+    pass runs at 0.1 ms: 5-15x faster (attention, MoE, speculative and reduction tests: 470 s
+    -> 71 s on 2 cores). Finer interleaving once exposed a race in the simulator's own shared-
+    memory allocator, which loomnb._numba_internals now locks (item 6 there)."""
+    if not SIM:
         yield
         return
     import sys
     old = sys.getswitchinterval()
-    sys.setswitchinterval(SAMPLER_SWITCH)
+    sys.setswitchinterval(SIM_SWITCH)
     try:
         yield
     finally:
         sys.setswitchinterval(old)
-
-
-def _is_sampler_op(name):
-    if not isinstance(name, str):
-        return False
-    import loomnb.ops.sampler
-    return name in loomnb.ops.sampler.__all__

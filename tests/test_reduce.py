@@ -203,3 +203,37 @@ def test_group_scan_gpu(width):
 @pytest.mark.parametrize("threads", [32, 96, 256, 1024])
 def test_block_scan_gpu(threads):
     _check_block_scan(threads)
+
+
+@pytest.mark.sim
+def test_simulator_threads_share_one_shared_array_per_line():
+    """The simulator's shared arrays are one per source line and block even when threads reach
+    the line together (loomnb._numba_internals item 6): at a 0.1 ms switch interval, with the
+    lock removed, some launches of this kernel see a thread's write lost."""
+    import sys
+
+    from loomnb._numba_internals import _lock_sim_shared_arrays
+    from numba.cuda.simulator import kernelapi
+
+    assert getattr(kernelapi.FakeCUDAShared.array, "_loomnb_locked", False)
+    _lock_sim_shared_arrays()  # idempotent
+
+    @cuda.jit
+    def neighbours(out):
+        sm = cuda.shared.array(64, int64)
+        other = cuda.shared.array(64, int64)
+        t = cuda.threadIdx.x
+        sm[t] = t
+        other[t] = -t
+        cuda.syncthreads()
+        out[cuda.blockIdx.x, t] = sm[(t + 1) % 64] + 1000 * other[(t + 1) % 64]
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    try:
+        out = np.zeros((8, 64), np.int64)
+        neighbours[8, 64](out)
+    finally:
+        sys.setswitchinterval(old)
+    want = (np.arange(1, 65) % 64) * -999
+    assert (out == want).all(), "a thread's shared write was lost (or two lines aliased)"
