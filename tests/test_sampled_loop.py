@@ -12,7 +12,7 @@ import torch
 
 from loomnb import oracle
 from loomnb.models import graphs as graphs_mod
-from loomnb.models.backends import LoomnbCpuOps, TorchReferenceOps
+from loomnb.models.backends import LoomnbCpuOps, TorchReferenceOps, get_backend
 from loomnb.models.cli import main
 from loomnb.models.sampling_params import SamplerState, SamplingParams
 
@@ -144,7 +144,10 @@ def test_teacher_forcing_does_not_sample():
 @pytest.mark.parametrize("argv, message", [
     (["--top-p", "1.5"], r"--top-p must be in \(0, 1\]; got 1.5"),
     (["--temperature", "-1"], "--temperature must be >= 0"),
-    (["--temperature", "0.7", "--speculative", "ngram"], "--speculative ngram verifies greedily"),
+    (["--temperature", "0.7", "--presence-penalty", "1", "--speculative", "ngram"],
+     "--speculative ngram samples without penalties"),
+    (["--temperature", "0.7", "--speculative", "ngram", "--check-reference"],
+     "--check-reference cannot compare them"),
     (["--presence-penalty", "3"], r"--presence-penalty must be in \[-2, 2\]"),
 ])
 def test_cli_rejects_bad_sampling_options_before_loading(argv, message, capsys):
@@ -172,3 +175,84 @@ def test_graphed_sampled_decode_equals_the_eager_padded_step(monkeypatch):
     again = model.new_runner("loomnb-cuda", 16).generate(PROMPTS, 12, sampling=p,
                                                          cuda_graphs=True)
     assert again.token_ids == g.token_ids
+
+
+def _speculative(model, prompts, n, sampling, k=3, backend="loomnb-cpu"):
+    from loomnb.models.speculative import SpeculativeRunner
+
+    runner = SpeculativeRunner(model, LoomnbCpuOps() if backend == "loomnb-cpu" else
+                               TorchReferenceOps(), 4 * len(prompts) + 8)
+    return runner.generate_speculative(prompts, n, num_speculative_tokens=k,
+                                       prompt_lookup_min=1, prompt_lookup_max=2,
+                                       sampling=sampling, logprobs=True)
+
+
+def test_speculative_sampling_is_reproducible_and_accepts_drafts():
+    """A model whose one layer adds nothing (zero output projections) and whose head predicts
+    token + 1 (its lm_head the embedding shifted by one row) continues 1, 2, 3, ...: the n-gram
+    drafts are its own continuation and sampling at T = 0.2 accepts them; a seed repeats the
+    tokens, another changes them."""
+    counter = tiny_llama(num_layers=1)
+    counter.layers[0].o_proj.zero_()
+    counter.layers[0].down_proj.zero_()
+    counter.lm_head = torch.roll(counter.embed_tokens, 1, 0).contiguous()
+    hot = _speculative(counter, [[1, 2, 3, 4, 5, 6, 1, 2]], 6,
+                       SamplingParams(temperature=0.2, seed=1))
+    assert hot.token_ids == [[3, 4, 5, 6, 7, 8]]
+    assert hot.num_accepted_tokens >= 3 and hot.num_steps < 6
+    model = tiny_llama()
+    prompts = [[7, 8, 9, 7, 8, 9, 7, 8], [5, 6, 5, 6, 5]]
+    p = SamplingParams(temperature=0.6, top_k=5, seed=21)
+    a = _speculative(model, prompts, 10, p)
+    b = _speculative(model, prompts, 10, p)
+    c = _speculative(model, prompts, 10, SamplingParams(temperature=0.6, top_k=5, seed=22))
+    assert a.token_ids == b.token_ids and a.token_logprobs == b.token_logprobs
+    assert c.token_ids != a.token_ids
+    assert all(len(t) == 10 for t in a.token_ids) and a.num_draft_tokens > 0
+    assert "chain_speculative_sampling" in a.loomnb_ops
+    # the torch reference samples through the same oracles: the same tokens
+    assert _speculative(model, prompts, 10, p, backend="torch-reference").token_ids == a.token_ids
+    with pytest.raises(ValueError, match="takes no penalties"):
+        _speculative(model, prompts, 4, SamplingParams(temperature=1.0, presence_penalty=1.0))
+
+
+@pytest.mark.parametrize("k, p, mp, t", [(0, 1.0, 0.0, 1.0), (6, 1.0, 0.0, 0.7),
+                                         (0, 0.7, 0.0, 1.0), (8, 0.5, 0.0, 1.3),
+                                         (0, 1.0, 0.15, 1.0), (5, 0.8, 0.05, 0.9)])
+def test_speculation_verifies_against_the_samplers_distribution(k, p, mp, t):
+    """``SamplerState.target_probs`` (the distribution ``chain_speculative_sampling`` checks
+    drafts against) is the sampler's: the tokens the sampler keeps (vLLM's reading of the
+    filters, as the sampler's oracle tests define it), their temperature softmax renormalised,
+    zero elsewhere (distinct logits: no ties at a boundary)."""
+    from test_sampler_oracle import reference_kept
+
+    rng = np.random.default_rng(3)
+    x = rng.permutation(np.linspace(3.0, -3.0, 40)).astype(np.float32)
+    st = SamplerState(SamplingParams(temperature=t, top_k=k, top_p=p, min_p=mp), 2, 40, "cpu")
+    got = st.target_probs(torch.from_numpy(np.stack([x, x[::-1].copy()])))
+    for row, xr in zip(got.numpy(), (x, x[::-1])):
+        keep = reference_kept(xr, k, p, mp, t, False)
+        q = np.where(keep, np.exp(xr.astype(np.float64) / t - xr.max() / t), 0)
+        np.testing.assert_allclose(row, q / q.sum(), rtol=2e-6, atol=1e-9)
+        assert ((row > 0) == keep).all()
+
+
+@pytest.mark.gpu
+def test_speculative_sampling_on_the_gpu_graphed_and_eager():
+    """loomnb-cuda: the counting model's speculative sampling, CUDA-graphed and eager, gives
+    the same tokens (1 -> 2 -> 3 ...), accepting drafts."""
+    from loomnb.models.speculative import SpeculativeRunner
+
+    counter = tiny_llama("cuda", num_layers=1)
+    counter.layers[0].o_proj.zero_()
+    counter.layers[0].down_proj.zero_()
+    counter.lm_head = torch.roll(counter.embed_tokens, 1, 0).contiguous()
+    outs = []
+    for graph in (True, False):
+        runner = SpeculativeRunner(counter, get_backend("loomnb-cuda", "cuda"), 16)
+        outs.append(runner.generate_speculative(
+            [[1, 2, 3, 4, 5, 6, 1, 2]], 6, num_speculative_tokens=3, prompt_lookup_min=1,
+            prompt_lookup_max=2, cuda_graph=graph, logprobs=True,
+            sampling=SamplingParams(temperature=0.2, seed=1)))
+    assert outs[0].token_ids == outs[1].token_ids == [[3, 4, 5, 6, 7, 8]]
+    assert outs[0].num_accepted_tokens >= 3

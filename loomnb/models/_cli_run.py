@@ -124,7 +124,7 @@ def _speculative(model, args, plan, show) -> int:
                                       cuda_graph=plan.cuda_graphs and plan.device == "cuda",
                                       num_top_logits=5 if args.check_reference else 0,
                                       progress=bars, ignore_eos=args.ignore_eos,
-                                      logprobs=args.logprobs)
+                                      logprobs=args.logprobs, sampling=plan.sampling)
     finally:
         if bars is not None:
             bars.close()

@@ -131,9 +131,14 @@ def _check_sampling(args):
         raise UsageError(f"--{str(e).replace('_', '-')}") from None
     if p.is_greedy:
         return None
-    if args.speculative:
-        raise UsageError("--speculative ngram verifies greedily; leave out the sampling options "
-                         "(--temperature > 0 or a penalty) or --speculative")
+    if args.speculative and p.penalized:
+        raise UsageError("--speculative ngram samples without penalties; leave out "
+                         "--repetition-penalty, --frequency-penalty and --presence-penalty, or "
+                         "--speculative")
+    if args.speculative and args.check_reference:
+        raise UsageError("--speculative with sampling draws other tokens than plain sampling "
+                         "(the same distribution, other random streams): --check-reference "
+                         "cannot compare them; leave one out")
     if p.seed is None and args.check_reference:
         import dataclasses
         import os
@@ -149,8 +154,8 @@ def validate(args) -> Plan:
     ``--check-reference``, which does not come with ``--backend torch-reference``;
     ``--num-speculative-tokens`` comes with ``--speculative``, which comes without
     ``--kv-cache-dtype fp8``, ``--batch-sizes`` and ``--prefix-caching``; the device and
-    backend can run here; the sampling options are in vLLM's ranges, not with
-    ``--speculative``, and with a torch backend on CUDA not with CUDA graphs; the GGUF is a
+    backend can run here; the sampling options are in vLLM's ranges, with
+    ``--speculative`` without penalties or ``--check-reference``, and with a torch backend on CUDA not with CUDA graphs; the GGUF is a
     readable llama GGUF (header only, and the file holds
     every tensor it lists); with ``--chat`` it has the ChatML template; each prompt's tokens
     plus ``--max-new-tokens`` fit the model's context.

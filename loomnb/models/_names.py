@@ -13,5 +13,7 @@ LOOMNB_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding_and_cache",
 # the sampler ops a sampled decode adds (loomnb.models.sampling_params)
 SAMPLER_OPS = ("apply_penalties_", "top_k_top_p_sampling_from_logits",
                "selected_token_logprob_rank")
+SPECULATIVE_SAMPLER_OPS = ("top_k_top_p_sampling_from_logits", "chain_speculative_sampling",
+                           "selected_token_logprob_rank")
 # what torch computes in every backend
 TORCH_OPS = ("embedding", "matmul (QKV, o_proj, gate_up, down, lm_head)", "prefill attention")

@@ -34,6 +34,9 @@ sampler family's ops with loomnb's signatures:
   inside a CUDA graph);
 * ``selected_token_logprob_rank(logits, token_ids) -> (logprob fp32, rank int64)``: the
   sampled token's log-softmax and rank (V1's definitions);
+* ``chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, seed, offset) ->
+  (output_token_ids, accepted, emitted)``: speculative sampling of a pass's drafts (one-hot
+  drafts with ``draft_probs`` None; the torch backends through the oracle on host copies);
 
 and, outside the decode step (not in ``LOOMNB_OPS``), the cache op of the prefix cache's
 copy-on-write (:mod:`loomnb.models.prefix_cache`):
@@ -175,6 +178,24 @@ class TorchReferenceOps:
         return logits
 
     @staticmethod
+    def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, seed, offset):
+        """loomnb's NumPy oracle on host copies, the outputs back on the device (not inside a
+        CUDA graph, as :meth:`top_k_top_p_sampling_from_logits`)."""
+        if target_probs.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the torch backends sample through loomnb's NumPy oracle on the "
+                               "host, which a CUDA graph cannot hold; decode without CUDA "
+                               "graphs")
+        from loomnb import oracle
+
+        def h(t):
+            return None if t is None else t.detach().cpu().numpy()
+
+        outs = oracle.chain_speculative_sampling(h(draft_probs), h(draft_token_ids),
+                                                 h(target_probs), seed=h(seed), offset=h(offset))
+        return tuple(torch.from_numpy(np.ascontiguousarray(o)).to(target_probs.device)
+                     for o in outs)
+
+    @staticmethod
     def top_k_top_p_sampling_from_logits(logits, top_k, top_p, temperature, min_p, seed, offset):
         """loomnb's NumPy oracle on host copies (the definition of the draw), the ids back on
         ``logits``' device. Raises ``RuntimeError`` inside a CUDA graph capture."""
@@ -313,6 +334,14 @@ class _LoomnbOps:
         lp, rank = self.m.selected_token_logprob_rank(self._array(logits),
                                                       self._array(token_ids))
         return self._tensor(lp), self._tensor(rank)
+
+    def chain_speculative_sampling(self, draft_probs, draft_token_ids, target_probs, seed,
+                                   offset):
+        a = self._array
+        outs = self.m.chain_speculative_sampling(
+            None if draft_probs is None else a(draft_probs), a(draft_token_ids),
+            a(target_probs), seed=a(seed), offset=a(offset))
+        return tuple(self._tensor(o) for o in outs)
 
     def copy_blocks(self, key_caches, value_caches, block_mapping):
         """``loomnb.copy_blocks`` / ``loomnb.oracle.copy_blocks`` on every layer's caches in

@@ -178,3 +178,26 @@ class SamplerState:
     def advance(self) -> None:
         """The next step's draws: ``offset += 1``."""
         self.offset.add_(1)
+
+    def target_probs(self, logits):
+        """The target distribution speculative sampling verifies drafts against (vLLM's
+        rejection sampler on sampled requests): fp32 ``softmax(logits / T)`` ``[n, V]``, min-p,
+        top-k (the k-th largest probability and its ties) and top-p (the smallest most-likely
+        prefix reaching ``top_p`` in descending order, the crossing token included; torch's
+        sort and cumulative sum, as vLLM's torch path) zeroed, renormalised. Torch ops on the
+        device (capturable); penalties are not applied (speculation takes none)."""
+        p = self.params
+        x = logits.float() / max(p.temperature, SAMPLING_EPS)
+        probs = torch.softmax(x, dim=-1)
+        if p.min_p > 0:
+            probs = torch.where(probs >= probs.amax(-1, keepdim=True) * p.min_p, probs, 0.0)
+        if 0 < p.top_k < probs.shape[-1]:
+            kth = probs.topk(p.top_k, dim=-1).values[:, -1:]
+            probs = torch.where(probs >= kth, probs, 0.0)
+        if p.top_p < 1:
+            srt, idx = probs.sort(dim=-1, descending=True)
+            above = srt.cumsum(-1) - srt
+            keep = torch.empty_like(srt, dtype=torch.bool).scatter_(
+                -1, idx, above < p.top_p * srt.sum(-1, keepdim=True))
+            probs = torch.where(keep, probs, 0.0)
+        return probs / probs.sum(-1, keepdim=True)

@@ -49,7 +49,9 @@ import numpy as np
 import torch
 
 from .llama import GenerationResult, ModelRunner, _cut_at_stop, _dtype_name, _sync
+from ._names import SPECULATIVE_SAMPLER_OPS
 from .paged_cache import BLOCK_SIZE, cdiv, compute_slot_mapping
+from .sampling_params import SamplerState
 
 PLACEHOLDER = -1
 
@@ -168,8 +170,9 @@ class _Pass:
     graph replay, and one device-to-host copy brings the outputs back."""
 
     def __init__(self, runner, block_tables, k, cuda_graph, num_top_logits, plain=False,
-                 logprobs=False):
+                 logprobs=False, sampler=None):
         self.runner, self.k, self.graph, self.plain = runner, k, None, plain
+        self.sampler = sampler  # a SamplerState: speculative sampling instead of greedy_verify
         self.logprobs = logprobs  # also each row's logprob and rank (ops.greedy_sample_logprob)
         self.capture_s = 0.0  # warm-up run + capture of the graph (CUDA graphs only)
         self.cuda_graph, self.num_top_logits = cuda_graph, num_top_logits
@@ -184,8 +187,12 @@ class _Pass:
         self.input_ids, self.positions = self.d_in[:n_tok], self.d_in[n_tok:2 * n_tok]
         self.drafts = torch.full((R * k,), PLACEHOLDER, dtype=torch.int32, device=dev)
         self.bonus = torch.zeros((R, 1), dtype=torch.int32, device=dev)
+        i32 = dict(dtype=torch.int32, device=dev)
+        if sampler is not None:  # one-hot-draft sampling's compaction of the emitted tokens
+            self.j = torch.arange(k + 1, device=dev)
+            self.cu_s = torch.zeros(R + 1, **i32)
+            self.emitted_s = torch.zeros(n_tok + 1, **i32)  # the last entry takes the padding
         if self.cuda:
-            i32 = dict(dtype=torch.int32, device=dev)
             self.outs = (torch.empty((R, k + 1), **i32), torch.empty(R, **i32),
                          torch.empty(n_tok, **i32), torch.empty(R + 1, **i32))
             self.d_out = torch.empty(R + n_tok + R + 1, **i32)
@@ -200,6 +207,10 @@ class _Pass:
         logits = r.decode_logits(self.input_ids, self.positions, slots, self.block_tables,
                                  (self.positions + 1).to(torch.int32))
         lv = logits.view(R, k + 1, -1)
+        if self.sampler is not None:
+            self._sample(logits, lv)
+            self.logits = logits
+            return
         self.bonus.copy_(torch.argmax(lv[:, k], dim=-1).view(R, 1))
         if self.cuda and not self.plain:
             import loomnb
@@ -215,6 +226,37 @@ class _Pass:
         if self.logprobs:
             _, lp, rank = r.ops.greedy_sample_logprob(logits)
             self.lps = (lp, rank)
+
+    def _sample(self, logits, lv):
+        """Speculative sampling of the pass (device work only): the ``k`` one-hot drafts against
+        the target distribution of the ``k + 1`` rows (``SamplerState.target_probs``) by
+        ``chain_speculative_sampling`` (``k = 0``: the sampler's draw of the one row), the
+        emitted tokens compacted as ``greedy_verify`` compacts them, the offset advanced."""
+        r, R, k, st = self.runner, self.num_seqs, self.k, self.sampler
+        n_tok = R * (k + 1)
+        if k == 0:
+            ids, _, _ = st.sample(r.ops, logits)
+            rows = ids.view(R, 1).to(torch.int32)
+            num = torch.ones(R, dtype=torch.int32, device=self.dev)
+        else:
+            probs = st.target_probs(logits).view(R, k + 1, -1)
+            rows, _, emitted = r.ops.chain_speculative_sampling(
+                None, self.drafts.view(R, k), probs, st.seeds, st.offset)
+            num = (emitted + 1).to(torch.int32)
+        st.advance()
+        self.cu_s[1:] = torch.cumsum(num, 0)
+        valid = self.j.view(1, -1) < num.view(-1, 1)
+        dest = torch.where(valid, self.cu_s[:-1].view(-1, 1).long() + self.j.view(1, -1), n_tok)
+        self.emitted_s.scatter_(0, dest.view(-1), rows.reshape(-1).to(torch.int32))
+        self.num_s = num
+        if self.cuda:
+            torch.cat([num, self.emitted_s[:n_tok], self.cu_s], out=self.d_out)
+        if self.num_top_logits:
+            top = logits.float().topk(self.num_top_logits, dim=-1)
+            self.tops = (top.indices, top.values)
+        if self.logprobs:  # each row's emitted token (padding rows: token 0, never read)
+            toks = rows.reshape(-1).clamp(min=0).to(torch.long)
+            self.lps = r.ops.selected_token_logprob_rank(logits, toks)
 
     def _step(self):
         """The pass on the device: eager, or the graph (captured at its first use, on the inputs
@@ -264,6 +306,11 @@ class _Pass:
             self.h_out.copy_(self.d_out)  # waits for the pass
             h = self.h_out.numpy()
             num, emitted, cu = h[:R], h[R:R + n_tok], h[R + n_tok:]
+        elif self.sampler is not None:
+            self.d_in.copy_(torch.from_numpy(flat))
+            self._body()
+            num, emitted, cu = (t.numpy() for t in (self.num_s, self.emitted_s[:n_tok],
+                                                    self.cu_s))
         else:
             self.d_in.copy_(torch.from_numpy(flat))
             self._body()
@@ -284,7 +331,7 @@ class SpeculativeRunner(ModelRunner):
     def generate_speculative(self, prompt_token_ids, max_new_tokens, *, num_speculative_tokens=4,
                              prompt_lookup_min=2, prompt_lookup_max=4, cuda_graph=False,
                              num_top_logits=0, progress=None, stop_token_ids=(),
-                             logprobs=False) -> SpeculativeResult:
+                             logprobs=False, sampling=None) -> SpeculativeResult:
         """Greedy-decode up to ``max_new_tokens`` tokens per prompt (token-id lists) with n-gram
         drafts verified by ``greedy_verify`` (module docstring); a sequence ends at its first
         token among ``stop_token_ids`` (default none: all ``max_new_tokens``), kept;
@@ -296,8 +343,18 @@ class SpeculativeRunner(ModelRunner):
         done, total)``, as :meth:`ModelRunner.generate` calls it: ``("prefill", layers done,
         num_seqs * num_hidden_layers)`` during the prefill, then ``("decode", steps done,
         max_new_tokens - 1)`` after each pass (steps: the slowest sequence's tokens after the
-        first). Raises ``ValueError`` for bad arguments."""
+        first). ``sampling`` (a :class:`~loomnb.models.sampling_params.SamplingParams` other
+        than greedy, without penalties): the first token is the sampler's draw and every pass
+        verifies its drafts by ``chain_speculative_sampling`` against the sampling
+        distribution (``SamplerState.target_probs``): the tokens are distributed as plain
+        sampling's (the rejection-sampling theorem), not equal to them; reproducible with a
+        seed. Raises ``ValueError`` for bad arguments."""
         k = num_speculative_tokens
+        if sampling is not None and sampling.is_greedy:
+            sampling = None
+        if sampling is not None and sampling.penalized:
+            raise ValueError("speculative sampling takes no penalties (the drafts' positions "
+                             "would need the counts of the tokens before them)")
         if max_new_tokens < 1 or any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("need max_new_tokens >= 1 and non-empty prompts")
         if not (isinstance(k, int) and 0 <= k <= 128):
@@ -325,15 +382,19 @@ class SpeculativeRunner(ModelRunner):
             return self._generate(prompt_token_ids, max_new_tokens, k, prompt_lookup_min,
                                   prompt_lookup_max, cuda_graph, num_top_logits, progress,
                                   block_tables, set(int(t) for t in (stop_token_ids or ())),
-                                  logprobs)
+                                  logprobs, sampling)
         finally:
             for blocks in seq_blocks:
                 self.kv_cache.allocator.free(blocks)
 
     def _generate(self, prompts, max_new_tokens, k, lookup_min, lookup_max, cuda_graph,
-                  num_top_logits, progress, block_tables, stop_ids, logprobs):
+                  num_top_logits, progress, block_tables, stop_ids, logprobs, sampling=None):
         dev = self.model.device
         num_seqs = len(prompts)
+        state = None
+        if sampling is not None:
+            state = SamplerState(sampling, num_seqs, self.model.config.vocab_size, dev)
+            state.load(prompts)
         _sync(dev)
         t0 = time.perf_counter()
         history, tops = [], [[] for _ in prompts]
@@ -344,13 +405,20 @@ class SpeculativeRunner(ModelRunner):
                         lambda n, i=i: progress("prefill", i * num_layers + n, num_seqs * num_layers))
             logits = self.model.compute_logits(self.prefill(ids, block_tables[i:i + 1],
                                                             on_layer)[-1:])
-            history.append(list(ids) + [int(torch.argmax(logits.float(), dim=-1).item())])
+            if state is None:
+                tok = torch.argmax(logits.float(), dim=-1)
+                if logprobs:
+                    _, lp, rank = self.ops.greedy_sample_logprob(logits)
+            else:
+                tok, lp, rank = state.sample(self.ops, logits, slice(i, i + 1))
+            history.append(list(ids) + [int(tok.view(-1)[0])])
             if num_top_logits:
                 top = logits.float().topk(num_top_logits, dim=-1)
                 tops[i].append((top.indices[0].cpu(), top.values[0].cpu()))
             if logprobs:
-                _, lp, rank = self.ops.greedy_sample_logprob(logits)
                 lps[i].append((float(lp.view(-1)[0]), int(rank.view(-1)[0])))
+        if state is not None:
+            state.advance()  # the first tokens drew at offset 0
         _sync(dev)
         t1 = time.perf_counter()
         passes = {}
@@ -358,7 +426,8 @@ class SpeculativeRunner(ModelRunner):
                    num_emitted_tokens=0)
         generated = [1] * num_seqs
         ended = [h[-1] in stop_ids for h in history]  # at a stop token
-        if k == 0 and dev.type == "cuda" and max_new_tokens > 1:  # plain greedy, no host trips
+        if k == 0 and dev.type == "cuda" and max_new_tokens > 1 and state is None:
+            # plain greedy, no host trips
             steps = max_new_tokens - 1
             plain = _Pass(self, block_tables, 0, cuda_graph, num_top_logits, plain=True,
                           logprobs=logprobs)
@@ -389,7 +458,7 @@ class SpeculativeRunner(ModelRunner):
             kk = k if any(drafts) else 0
             if kk not in passes:
                 passes[kk] = _Pass(self, block_tables, kk, cuda_graph, num_top_logits,
-                                   logprobs=logprobs)
+                                   logprobs=logprobs, sampler=state)
             input_ids, positions, draft_ids = [], [], []
             for h, d in zip(history, drafts):  # finished sequences repeat their last pass's input
                 p = len(h) - 1
@@ -432,7 +501,8 @@ class SpeculativeRunner(ModelRunner):
         return SpeculativeResult(
             prompt_token_ids=[list(p) for p in prompts], token_ids=token_ids,
             backend=self.ops.name, loomnb_ops=tuple(self.ops.loomnb_ops) + (
-                ("greedy_verify",) if dev.type == "cuda" else ()),
+                () if not self.ops.loomnb_ops else SPECULATIVE_SAMPLER_OPS if state is not None
+                else ("greedy_verify",) if dev.type == "cuda" else ()),
             prefill_time_s=t1 - t0, decode_time_s=t2 - t1,
             num_prefill_tokens=sum(len(p) for p in prompts),
             num_decode_tokens=sum(len(t) - 1 for t in token_ids), top_logits=top_logits,
@@ -446,7 +516,7 @@ class SpeculativeRunner(ModelRunner):
 def generate_speculative(model, prompts, max_new_tokens=32, *, backend=None, chat=False,
                          num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4,
                          cuda_graph=False, num_top_logits=0, progress=None, ignore_eos=False,
-                         logprobs=False) -> SpeculativeResult:
+                         logprobs=False, sampling=None) -> SpeculativeResult:
     """``loomnb generate --speculative ngram``: like :meth:`LlamaModel.generate` (prompts: a
     str or a list of str; ``chat`` wraps them in the chat template; each sequence stops at its
     first stop token unless ``ignore_eos``), decoding with prompt-lookup speculation
@@ -470,7 +540,8 @@ def generate_speculative(model, prompts, max_new_tokens=32, *, backend=None, cha
         prompt_ids, max_new_tokens, num_speculative_tokens=k, prompt_lookup_min=prompt_lookup_min,
         prompt_lookup_max=prompt_lookup_max, cuda_graph=cuda_graph,
         num_top_logits=num_top_logits, progress=progress,
-        stop_token_ids=() if ignore_eos else tok.stop_token_ids, logprobs=logprobs)
+        stop_token_ids=() if ignore_eos else tok.stop_token_ids, logprobs=logprobs,
+        sampling=sampling)
     result.prompts = prompts
     result.texts = [tok.decode(_cut_at_stop(ids, tok.stop_token_ids)) for ids in result.token_ids]
     return result
