@@ -87,7 +87,8 @@ def _run(args, plan) -> int:
     show = sys.stderr.isatty() if args.progress is None else args.progress
     if plan.sampling is not None:
         p = plan.sampling
-        seed = "a fresh seed per prompt" if p.seed is None else f"seed {p.seed}"
+        seed = ("greedy: the argmax of the penalised logits" if p.temperature < 1e-5 else
+                "a fresh seed per prompt" if p.seed is None else f"seed {p.seed}")
         print(f"sampling: temperature {p.temperature:g}, top-k {p.top_k}, top-p {p.top_p:g}, "
               f"min-p {p.min_p:g}, repetition/frequency/presence penalties "
               f"{p.repetition_penalty:g}/{p.frequency_penalty:g}/{p.presence_penalty:g}, {seed}",

@@ -174,10 +174,12 @@ def build_parser(prog: str = "loomnb") -> argparse.ArgumentParser:
                         "--prompt (default: off)")
     g.add_argument("--check-reference", action="store_true",
                    help="also decode with the torch-reference backend (plain greedy decoding, "
-                        "the same stopping rule, --kv-cache-dtype and --dtype) and exit 1 "
-                        "unless the greedy tokens are identical; with --speculative the "
-                        "speculative tokens are checked against it. Not with --backend "
-                        "torch-reference, which it would compare with itself (default: off)")
+                        "or with the sampling options the same seeded sampling; the same "
+                        "stopping rule, --kv-cache-dtype and --dtype) and exit 1 unless the "
+                        "tokens are identical; with --speculative (greedy) the speculative "
+                        "tokens are checked against it. Not with --backend torch-reference, "
+                        "which it would compare with itself, nor with sampled --speculative, "
+                        "whose tokens come from other random streams (default: off)")
     g.add_argument("--allow-near-ties", action="store_true",
                    help="with --check-reference: also accept a divergence that starts where "
                         "the top two logits are within 2 ulps of --dtype (bfloat16: 8 bits of "
@@ -194,10 +196,12 @@ def build_parser(prog: str = "loomnb") -> argparse.ArgumentParser:
                    help="draft tokens per target pass; only with --speculative (default: "
                         f"{DEFAULT_SPECULATIVE_TOKENS})")
     g.add_argument("--logprobs", action="store_true",
-                   help="print each generated token's log-probability and rank (computed with the "
-                        "greedy choice in one pass: loomnb.greedy_sample_logprob, vLLM's V1 "
-                        "sampler's definitions; with --speculative on every row of each target "
-                        "pass) (default: off)")
+                   help="print each generated token's log-probability and rank under the raw "
+                        "logits (vLLM's V1 sampler's definitions and its default raw_logprobs: "
+                        "greedy, computed with the choice in one pass by "
+                        "loomnb.greedy_sample_logprob; sampled, by "
+                        "loomnb.selected_token_logprob_rank; with --speculative on every row of "
+                        "each target pass) (default: off)")
     s = g.add_argument_group(
         "sampling", "vLLM's sampling parameters, for every prompt (default: greedy decoding). "
         "Penalties, then temperature, min-p, top-k, top-p, then a seeded draw on the device "

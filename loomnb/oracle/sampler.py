@@ -403,3 +403,19 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs,
             a[...] = (a.astype(np.int64) + c).astype(np.int32)
             counts.append(given)
     return _into(out, res.astype(np.int32)), counts[0], counts[1]
+
+
+def _doc_from_ops():
+    """The oracles without a docstring of their own say which op they mirror: the formula,
+    shapes and rounding points are those of ``loomnb.<name>``'s docstring and
+    ``docs/numerics.md``'s sampling section."""
+    for name in __all__:
+        fn = globals().get(name)
+        if callable(fn) and not fn.__doc__:
+            fn.__doc__ = (f"NumPy reference of ``loomnb.{name}``: the same signature and result "
+                          f"(its docstring gives the formula, shapes and errors; the rounding "
+                          f"points are in docs/numerics.md, 'The sampling tail'). Inputs are not "
+                          f"validated.")
+
+
+_doc_from_ops()
