@@ -187,7 +187,7 @@ def _speculative(model, prompts, n, sampling, k=3, backend="loomnb-cpu"):
                                        sampling=sampling, logprobs=True)
 
 
-def test_speculative_sampling_is_reproducible_and_accepts_drafts():
+def test_chain_speculative_is_reproducible_and_accepts_drafts():
     """A model whose one layer adds nothing (zero output projections) and whose head predicts
     token + 1 (its lm_head the embedding shifted by one row) continues 1, 2, 3, ...: the n-gram
     drafts are its own continuation and sampling at T = 0.2 accepts them; a seed repeats the
@@ -238,7 +238,7 @@ def test_speculation_verifies_against_the_samplers_distribution(k, p, mp, t):
 
 
 @pytest.mark.gpu
-def test_speculative_sampling_on_the_gpu_graphed_and_eager():
+def test_chain_speculative_on_the_gpu_graphed_and_eager():
     """loomnb-cuda: the counting model's speculative sampling, CUDA-graphed and eager, gives
     the same tokens (1 -> 2 -> 3 ...), accepting drafts."""
     from loomnb.models.speculative import SpeculativeRunner

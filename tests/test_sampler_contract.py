@@ -411,7 +411,7 @@ def test_a_launch_fails_these_tests():
 
 def test_the_table_covers_every_op_of_the_family():
     import loomnb.ops.sampler as family
-    # chain_speculative_sampling's table is test_sampler_speculative_contract.py's
+    # chain_speculative_sampling's table is test_chain_speculative_contract.py's
     assert sorted(ALL_OPS) == sorted(set(family.__all__) - {"chain_speculative_sampling"})
     whats = {op: {c[0].split(": ", 1)[1] for c in CASES if c[1] == op} for op in ALL_OPS}
     for op, have in whats.items():

@@ -136,6 +136,23 @@ _block_sum_f64 = block_reduce(_add_f64, float64)
 _block_scan_i64 = block_scan(int64)
 
 
+@device
+def _request_key(sd, so, seed_val, off_val, per_row_seed, row):
+    """``(salt, c2, c3, k0, k1)``: the Philox counter words 1-3 and key of request ``row``,
+    from the seed and offset arguments (the row kernel's and the chain kernel's)."""
+    seed = seed_val
+    off = off_val
+    if sd.shape[0] > 0:
+        seed = sd[row] if per_row_seed != 0 else sd[0]
+    if so.shape[0] > 0:
+        off = so[row] if so.shape[0] > 1 else so[0]
+    salt = uint32(0) if per_row_seed != 0 else uint32(row)
+    useed = uint64(seed)
+    uoff = uint64(off)
+    return (salt, uint32(uoff & uint64(0xFFFFFFFF)), uint32(uoff >> uint64(32)),
+            uint32(useed & uint64(0xFFFFFFFF)), uint32(useed >> uint64(32)))
+
+
 def _row_argtypes(spec):
     st = storage_dtype(spec.kind)
     xs = "uint32" if spec.layout == "vec" else st
@@ -469,17 +486,7 @@ def row_kernel(spec):
         f = (lo, xm, sm, t, inv, use_mp, thr)
 
         if SAMPLE:
-            seed = seed_val
-            off = off_val
-            if sd.shape[0] > 0:
-                seed = sd[row] if per_row_seed != 0 else sd[0]
-            if so.shape[0] > 0:
-                off = so[row] if so.shape[0] > 1 else so[0]
-            salt = uint32(0) if per_row_seed != 0 else uint32(row)
-            useed = uint64(seed)
-            uoff = uint64(off)
-            k0, k1 = uint32(useed & uint64(0xFFFFFFFF)), uint32(useed >> uint64(32))
-            c2, c3 = uint32(uoff & uint64(0xFFFFFFFF)), uint32(uoff >> uint64(32))
+            salt, c2, c3, k0, k1 = _request_key(sd, so, seed_val, off_val, per_row_seed, row)
             best = uint64(0)
             if n >= 0:  # the kept tokens are among the candidates
                 for c in range(tid, n, nt):
@@ -659,23 +666,6 @@ def _philox_words(w0, w1, w2, w3, jj):
 def _stream_counter(stream, i):
     """Counter word 0 of token (or position) ``i`` in ``stream``."""
     return uint32((uint32(stream) << uint32(SPEC_STREAM_SHIFT)) | uint32(i >> 2))
-
-
-@device
-def _request_key(sd, so, seed_val, off_val, per_row_seed, row):
-    """``(salt, c2, c3, k0, k1)``: the Philox counter words 1-3 and key of request ``row``, as
-    the row kernel derives them from the seed and offset arguments."""
-    seed = seed_val
-    off = off_val
-    if sd.shape[0] > 0:
-        seed = sd[row] if per_row_seed != 0 else sd[0]
-    if so.shape[0] > 0:
-        off = so[row] if so.shape[0] > 1 else so[0]
-    salt = uint32(0) if per_row_seed != 0 else uint32(row)
-    useed = uint64(seed)
-    uoff = uint64(off)
-    return (salt, uint32(uoff & uint64(0xFFFFFFFF)), uint32(uoff >> uint64(32)),
-            uint32(useed & uint64(0xFFFFFFFF)), uint32(useed >> uint64(32)))
 
 
 def chain_kernel(spec):

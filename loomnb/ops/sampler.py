@@ -158,6 +158,26 @@ def force_candidates(n):
         L.clear_launch_cache()
 
 
+def _seeds(op, like, seed, offset, generator):
+    """``(seed array or None, seed int, offset array or None, offset int, fresh)`` of a sampling
+    call: ``generator`` checked (a ``torch.Generator`` with torch tensors), the seed and offset
+    as :func:`_seed_arg` takes them, or, without a seed, one drawn for this call (``fresh``)."""
+    torch = ad._torch
+    if generator is not None and (torch is None or not isinstance(generator, torch.Generator)
+                                  or like.lib != "torch"):
+        C.fail_type(op, "generator", "a torch.Generator (with torch tensors) or None",
+                    repr(generator))
+    fresh = seed is None
+    if not fresh:
+        sa, sv = _seed_arg(op, "seed", seed, like)
+    else:
+        sa, sv = _draw_seed(op, like, generator)
+        if sa is not None:
+            sa = ad.wrap(op, "seed", sa)
+    oa, ov = _seed_arg(op, "offset", offset, like) if offset is not None else (None, 0)
+    return sa, sv, oa, ov, fresh
+
+
 def _threads(V):
     forced = L.forced_threads()
     if forced is not None:
@@ -174,20 +194,9 @@ def _launch_rows(op, spec, xa, ids, y, k, p, t, mp, seed, offset, generator, str
     ma, mv = _per_row(op, "min_p", mp, xa, "f32", 0.0)
     sa, sv, oa, ov = None, 0, None, 0
     if spec.output == "sample":
-        torch = ad._torch
-        if generator is not None and (torch is None or not isinstance(generator, torch.Generator)
-                                      or xa.lib != "torch"):
-            C.fail_type(op, "generator", "a torch.Generator (with torch tensors) or None",
-                        repr(generator))
-        if seed is not None:
-            sa, sv = _seed_arg(op, "seed", seed, xa)
-        else:
-            sa, sv = _draw_seed(op, xa, generator)
-            if sa is not None:
-                sa = ad.wrap(op, "seed", sa)
+        sa, sv, oa, ov, fresh = _seeds(op, xa, seed, offset, generator)
+        if fresh:
             key = None  # a fresh seed every call: nothing to replay
-        if offset is not None:
-            oa, ov = _seed_arg(op, "offset", offset, xa)
     outs = {n: a for n, a in (("out", ids), ("out", y)) if a is not None}
     C.no_overlap(op, outs, {spec.source: xa, "top_k": ka, "top_p": pa, "temperature": ta, "min_p": ma,
                             "seed": sa, "offset": oa})
@@ -771,11 +780,6 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs,
     if draft_probs is not None:
         dpa = _chain_rows(op, "draft_probs", draft_probs, B, n, V, tpa)
     C.flag(op, "deterministic", deterministic)
-    torch = ad._torch
-    if generator is not None and (torch is None or not isinstance(generator, torch.Generator)
-                                  or tpa.lib != "torch"):
-        C.fail_type(op, "generator", "a torch.Generator (with torch tensors) or None",
-                    repr(generator))
     ids = C.output(op, "out", out, like=tpa, kind="i32", shape=(B, n + 1),
                    like_name="target_probs")
     acc = C.output(op, "maybe_output_accepted_token_num", maybe_output_accepted_token_num,
@@ -783,14 +787,9 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs,
     emi = C.output(op, "maybe_output_emitted_draft_token_num",
                    maybe_output_emitted_draft_token_num, like=tpa, kind="i32", shape=(B,),
                    like_name="target_probs")
-    if seed is not None:
-        sa, sv = _seed_arg(op, "seed", seed, tpa)
-    else:
-        sa, sv = _draw_seed(op, tpa, generator)
-        if sa is not None:
-            sa = ad.wrap(op, "seed", sa)
+    sa, sv, oa, ov, fresh = _seeds(op, tpa, seed, offset, generator)
+    if fresh:
         launch_key = None  # a fresh seed every call: nothing to replay
-    oa, ov = _seed_arg(op, "offset", offset, tpa) if offset is not None else (None, 0)
     C.no_overlap(op, {"out": ids, "maybe_output_accepted_token_num": acc,
                       "maybe_output_emitted_draft_token_num": emi},
                  {"draft_probs": dpa, "draft_token_ids": ida, "target_probs": tpa, "seed": sa,

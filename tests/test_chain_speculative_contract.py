@@ -5,7 +5,7 @@ family's error-message table, as ``tests/test_sampler_contract.py``); an empty b
 Runs in the simulator pass (NumPy arrays are the device arrays there). ``loomnb.ops._launch.
 launch`` is replaced by a function that fails the test: no call here launches a kernel. Draft
 ids outside the vocabulary are not an error (they are rejected by the rule:
-``tests/test_sampler_speculative_sim.py``).
+``tests/test_chain_speculative_sim.py``).
 """
 
 import re
