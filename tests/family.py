@@ -79,3 +79,17 @@ def rejects(call, exc, match, *arrays):
     with pytest.raises(exc, match=match):
         call()
     assert same(), "a rejected call must not modify its arguments"
+
+
+class Launched(AssertionError):
+    """A contract test's call reached a kernel launch."""
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """``loomnb.ops._launch.launch`` replaced by a function that raises :class:`Launched`: a
+    rejected call must raise before any launch, an empty batch return before one (contract
+    test files use it autouse: ``pytestmark = pytest.mark.usefixtures("no_launch")``)."""
+    def launch(factory, *args, **kwargs):
+        raise Launched(f"a contract test launched {getattr(factory, '__name__', factory)}")
+    monkeypatch.setattr(L, "launch", launch)

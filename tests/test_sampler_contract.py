@@ -18,26 +18,14 @@ import pytest
 
 import loomnb
 from loomnb import LoomnbTypeError, LoomnbValueError
-from loomnb.ops import _launch
 
-from family import rejects
+from family import Launched, no_launch, rejects  # noqa: F401 (no_launch: a fixture)
 
-pytestmark = pytest.mark.sim
+pytestmark = [pytest.mark.sim, pytest.mark.usefixtures("no_launch")]
 
 BF16 = ml_dtypes.bfloat16
 T, V = LoomnbTypeError, LoomnbValueError
 ROWS, VOCAB = 3, 16
-
-
-class Launched(AssertionError):
-    """A call in this file reached a kernel launch."""
-
-
-@pytest.fixture(autouse=True)
-def _no_launch(monkeypatch):
-    def launch(factory, *args, **kwargs):
-        raise Launched(f"a contract test launched {getattr(factory, '__name__', factory)}")
-    monkeypatch.setattr(_launch, "launch", launch)
 
 
 def make():
