@@ -122,16 +122,10 @@ def fkey(v):
 
 
 @device
-def _add_i64(a, b):
-    return a + b
-
-
-@device
 def _add_f64(a, b):
     return a + b
 
 
-_block_sum_i64 = block_reduce(_add_i64, int64)
 _block_sum_f64 = block_reduce(_add_f64, float64)
 _block_scan_i64 = block_scan(int64)
 

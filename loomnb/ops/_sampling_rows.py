@@ -26,7 +26,6 @@ import math
 from numba import cuda, float32, float64, int64
 
 from .._numba_internals import device
-from ..layouts.dtypes import bits_f32
 from ._reduce import block_argmax, fadd, fmax_nan, fmin_nan, group_reduce, imin
 from ._vector import row_loader
 
