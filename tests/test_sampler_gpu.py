@@ -26,7 +26,7 @@ torch = pytest.importorskip("torch")
 
 import loomnb  # noqa: E402
 from loomnb.oracle import sampler as O  # noqa: E402
-from loomnb.ops.sampler import force_candidates  # noqa: E402
+from loomnb.ops.sampler import force_candidates, force_split  # noqa: E402
 
 from helpers import assert_ulps  # noqa: E402
 from test_sampler_oracle import assert_distribution, reference_kept  # noqa: E402
@@ -77,10 +77,11 @@ def _explain(x, r, got, want, seed, offset):
             f"(score {sc[want]:.7g})")
 
 
-# The row kernel's paths: "vec" 16-byte loads with candidates compacted into shared memory,
-# "row" the same loads reading the row at every level (no compaction), "scalar" element loads
-# (the rows shifted by one element: no 16-byte alignment).
-@pytest.mark.parametrize("path", ["vec", "row", "scalar"])
+# The paths: "split" the launch rule at 8 rows (each row over many blocks: the split
+# kernels); the row kernel with "vec" 16-byte loads and candidates compacted into shared
+# memory, "row" the same loads reading the row at every level (no compaction), "scalar"
+# element loads (the rows shifted by one element: no 16-byte alignment, never split).
+@pytest.mark.parametrize("path", ["split", "vec", "row", "scalar"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tokens_equal_the_oracle_at_a_serving_vocabulary(dtype, path):
     x = model_logits(ROWS, dtype=dtype)
@@ -88,7 +89,8 @@ def test_tokens_equal_the_oracle_at_a_serving_vocabulary(dtype, path):
         x = x[:, 1:]
     k, p, t, mp = _config_tensors()
     seed = torch.arange(100, 100 + ROWS, dtype=torch.int64, device="cuda")
-    with force_candidates(-1 if path == "row" else None):
+    with force_candidates(-1 if path == "row" else None), \
+            force_split(None if path == "split" else 0):
         got = loomnb.top_k_top_p_sampling_from_logits(x, k, p, temperature=t, min_p=mp,
                                                       seed=seed, offset=5)
     xh = host(x).astype(np.float32)
@@ -103,7 +105,13 @@ def test_tokens_equal_the_oracle_at_a_serving_vocabulary(dtype, path):
     assert g[3] == int(np.argmax(xh[3])), "temperature 0 takes the argmax"
 
 
-def test_from_probs_masks_and_renorm_at_a_serving_vocabulary():
+@pytest.mark.parametrize("split", [None, 0])  # 4 rows: split by the rule, or never
+def test_from_probs_masks_and_renorm_at_a_serving_vocabulary(split):
+    with force_split(split):
+        _from_probs_masks_and_renorm()
+
+
+def _from_probs_masks_and_renorm():
     x = model_logits(4)
     p = torch.softmax(x, -1)
     ph = host(p)
@@ -253,3 +261,49 @@ def test_torch_compile_and_streams():
                                                      offset=3, stream=s)
     s.synchronize()
     assert torch.equal(eager, with_s)
+
+
+# The split kernels against the row kernel on the same GPU: the same expf, logf and draws, so
+# the same tokens and masks bit for bit (renormalised probabilities within the renorm budget:
+# the float64 sum is added in another order), at decode batch sizes where the launch rule
+# splits, with random per-row configurations and every filter order.
+@pytest.mark.parametrize("R, vocab", [(1, V), (3, 49152), (32, 128256), (64, V)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_rows_equal_the_row_kernel(R, vocab, dtype):
+    g = torch.Generator(device="cuda").manual_seed(R)
+    x = model_logits(R, vocab, dtype, seed=R)
+    k = torch.randint(0, 300, (R,), generator=g, device="cuda", dtype=torch.int32)
+    p = torch.rand(R, generator=g, device="cuda") * 0.6 + 0.45
+    t = torch.rand(R, generator=g, device="cuda") + 0.3
+    t[::5] = 0.0
+    mp = torch.where(torch.rand(R, generator=g, device="cuda") < 0.3, 0.05, 0.0)
+    seed = torch.arange(R, dtype=torch.int64, device="cuda") + 17
+    for order in ("top_k_first", "joint"):
+        runs = []
+        for split in (None, 0):
+            with force_split(split):
+                runs.append(loomnb.top_k_top_p_sampling_from_logits(
+                    x, k, p, temperature=t, min_p=mp, filter_apply_order=order, seed=seed,
+                    offset=2))
+        assert torch.equal(runs[0], runs[1]), order
+    for name, args in (("top_k_mask_logits", (k,)), ("sampling_from_logits", ())):
+        runs = []
+        for split in (None, 0):
+            with force_split(split):
+                kw = {} if name == "top_k_mask_logits" else {"seed": seed}
+                runs.append(getattr(loomnb, name)(x, *args, **kw))
+        assert np.array_equal(bits(host(runs[0])), bits(host(runs[1]))), name
+    if dtype == torch.float32:
+        probs = torch.softmax(x, -1)
+        for name, args in (("top_k_top_p_sampling_from_probs", (k, p)),
+                           ("min_p_sampling_from_probs", (0.1,)),
+                           ("top_k_renorm_probs", (k,)), ("top_p_renorm_probs", (p,))):
+            runs = []
+            for split in (None, 0):
+                with force_split(split):
+                    kw = {"seed": seed} if "sampling" in name else {}
+                    runs.append(getattr(loomnb, name)(probs, *args, **kw))
+            if "renorm" in name:
+                assert_ulps(host(runs[0]), host(runs[1]), ulps("sampler_renorm", "f32"), name)
+            else:
+                assert torch.equal(runs[0], runs[1]), name

@@ -10,6 +10,8 @@ wherever it sits in the batch; another offset another stream) follow. Shapes sta
 simulator runs every barrier of the radix select in Python threads.
 """
 
+import contextlib
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -18,7 +20,9 @@ import loomnb
 from helpers import assert_ulps
 from tolerances import ulps
 from loomnb.oracle import sampler as O
-from loomnb.ops.sampler import force_candidates
+from loomnb.ops import _launch as L
+from loomnb.ops import _workspace as W
+from loomnb.ops.sampler import force_candidates, force_split
 
 from family import assert_bits, block_size_sweep, call_both, out_given_and_not
 
@@ -161,3 +165,64 @@ def test_block_size_and_out():
     out_given_and_not(lambda out: loomnb.top_k_top_p_sampling_from_logits(x, 20, 0.8, seed=77,
                                                                          out=out),
                       lambda: np.empty(2, np.int32))
+
+
+# ---------------------------------------------------------------- the split kernels
+# A few rows are split over several blocks a row (``force_split``; the launch rule splits
+# serving vocabularies at up to 64 rows): the same tokens, masks and sums as the oracle, every
+# workspace histogram zero again afterwards. 16-byte rows only (V a multiple of 4 / 8);
+# ``S`` from 2 to more blocks than the row has units (empty chunks).
+@contextlib.contextmanager
+def split(n, threads=32):
+    with force_split(n), L.force_threads(threads):
+        yield
+    for key, buf in W._buffers.items():
+        if key[0] == "sampler_split_hist":
+            assert not np.asarray(buf).any(), "a split histogram was left non-zero"
+
+
+@pytest.mark.parametrize("kind, V, S", [("f32", 40, 3), ("bf16", 48, 2), ("f16", 48, 4),
+                                        ("f32", 40, 12)])
+def test_split_rows_per_row_configs(kind, V, S):
+    x = logits(np.random.default_rng(11), 5, V, kind)
+    with split(S):
+        got, want, _, _ = call_both("top_k_top_p_sampling_from_logits", x, ROWS["top_k"],
+                                    ROWS["top_p"], temperature=ROWS["temperature"],
+                                    min_p=ROWS["min_p"], seed=1234, offset=7)
+    assert_bits(got, want, kind)
+    with split(S):
+        got, want, _, _ = call_both("top_k_top_p_sampling_from_logits", x, 6, 0.6,
+                                    filter_apply_order="joint", seed=5)
+    assert_bits(got, want, "joint")
+
+
+def test_split_rows_from_probs_mask_renorm_and_edges():
+    rng = np.random.default_rng(12)
+    p = probs_of(logits(rng, 3, 36))
+    with split(3):
+        for name, args in (("top_k_top_p_sampling_from_probs", (7, 0.8)),
+                           ("min_p_sampling_from_probs", (0.15,)), ("sampling_from_logits", ()),
+                           ("top_p_sampling_from_probs", (0.6,))):
+            x = np.log(p) if name == "sampling_from_logits" else p
+            got, want, _, _ = call_both(name, x, *args, seed=np.array([3, 4, 5], np.int64))
+            assert_bits(got, want, name)
+        x = logits(rng, 3, 48, "bf16")
+        got, want, _, _ = call_both("top_k_mask_logits", x, np.array([3, 0, 50], np.int32))
+        assert_bits(got, want, "mask")
+        for name, arg in (("top_k_renorm_probs", 5), ("top_p_renorm_probs", 0.7)):
+            got, want, _, _ = call_both(name, p, arg)
+            assert_ulps(got, want, ulps("sampler_renorm", "f32"), name)
+    V = 24
+    x = np.linspace(2, -2, V, dtype=np.float32)[None].repeat(6, 0)
+    x[0, ::3] = np.nan
+    x[1, :] = -np.inf
+    x[1, 17] = 0.5
+    x[2, [4, 9, 13]] = 5.0
+    x[3, :] = 1.0
+    x[5, :] = np.nan
+    k = np.array([0, 3, 2, 0, 30, 0], np.int32)
+    pp = np.array([1.0, 0.5, 1.0, 0.0, 0.9, 0.5], np.float32)
+    with split(2):
+        got, want, _, _ = call_both("top_k_top_p_sampling_from_logits", x, k, pp, seed=9)
+    assert_bits(got, want, "edges")
+    assert got[1] == 17 and got[2] in (4, 9, 13) and got[5] == 0

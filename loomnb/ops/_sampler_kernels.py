@@ -54,6 +54,7 @@ tokens at ``-inf``; ``renorm`` writes ``r32(p / r32(S))`` for the kept tokens an
 from __future__ import annotations
 
 import math
+import types
 from dataclasses import dataclass
 
 from numba import cuda, float32, float64, int32, int64, uint32, uint64
@@ -147,6 +148,23 @@ def _request_key(sd, so, seed_val, off_val, per_row_seed, row):
             uint32(useed & uint64(0xFFFFFFFF)), uint32(useed >> uint64(32)))
 
 
+@device
+def _row_config(tk, tp, tt, tmp, row, k_val, p_val, t_val, mp_val, V, logits_sample):
+    """``(k, p, T, min_p, use_k, use_p, use_min_p, greedy)`` of ``row``: its entries of the
+    per-row arrays (length 0: the scalar), ``T = 1`` unless the kernel samples logits."""
+    k = int64(tk[row]) if tk.shape[0] > 0 else k_val
+    p = tp[row] if tp.shape[0] > 0 else p_val
+    t = tt[row] if tt.shape[0] > 0 else t_val
+    mpv = tmp[row] if tmp.shape[0] > 0 else mp_val
+    if not logits_sample:
+        t = float32(1)
+    use_k = k > 0 and k < V
+    use_p = p < float32(1)
+    use_mp = mpv > float32(0)
+    greedy = logits_sample and t < float32(SAMPLING_EPS)
+    return k, p, t, mpv, use_k, use_p, use_mp, greedy
+
+
 def _row_argtypes(spec):
     st = storage_dtype(spec.kind)
     xs = "uint32" if spec.layout == "vec" else st
@@ -182,16 +200,16 @@ def _unit_loader(kind, layout):
     return 4, load_quad
 
 
-def _row_pass(UE, load, visit):
-    """``run(row, V, st, ctx) -> st``: this thread's units of the row (stride ``blockDim``),
-    ``G`` of them loaded before any is used (G loads in flight: a pass is bound by the bytes,
-    not by one load's latency), each given to ``visit(unit, first_index, V, st, ctx) -> st``."""
+def _chunk_pass(UE, load, visit):
+    """``run(row, V, u0, nu, st, ctx) -> st``: this thread's units ``u0 <= u < nu`` of the row
+    (stride ``blockDim``), ``G`` of them loaded before any is used (G loads in flight: a pass is
+    bound by the bytes, not by one load's latency), each given to ``visit(unit, first_index, V,
+    st, ctx) -> st``."""
 
     @device
-    def run(row, V, st, ctx):
+    def run(row, V, u0, nu, st, ctx):
         nt = cuda.blockDim.x
-        nu = (V + UE - 1) // UE
-        for u in range(cuda.threadIdx.x, nu, G * nt):
+        for u in range(u0 + cuda.threadIdx.x, nu, G * nt):
             u1 = u + nt
             u2 = u1 + nt
             u3 = u2 + nt
@@ -211,20 +229,25 @@ def _row_pass(UE, load, visit):
     return run
 
 
-def row_kernel(spec):
-    """The ``@cuda.jit`` function of ``spec``. Parameters: ``x [R, V]`` (storage dtype; layout
-    "vec": its rows as uint32 words), ``ids [R]`` int32 (sample), ``y [R, V]`` (mask: logits
-    dtype; renorm: fp32), the per-row ``top_k`` int32, ``top_p``, ``temperature``, ``min_p``
-    fp32, ``seed``, ``offset`` int64 arrays (length 0 where the scalar after them holds for every
-    row), then ``k, p, T, min_p, seed, offset`` scalars, ``per_row_seed`` (1: ``seed[r]`` is row
-    r's and the salt is 0), ``V`` and ``cap``, the candidates a row may compact (``<= CAP``;
-    tests lower it to reach every path, -1 never compacts)."""
-    UE, load = _unit_loader(spec.kind, spec.layout)
-    LOGITS = spec.source == "logits"
-    SAMPLE, MASK, RENORM = (spec.output == o for o in OUTPUTS)
-    JOINT = spec.joint
+def _row_pass(UE, load, visit):
+    """``run(row, V, st, ctx) -> st``: :func:`_chunk_pass` over the whole row."""
+    chunk = _chunk_pass(UE, load, visit)
+
+    @device
+    def run(row, V, st, ctx):
+        return chunk(row, V, 0, (V + UE - 1) // UE, st, ctx)
+
+    return run
+
+
+def _row_parts(kind, source, layout):
+    """The per-element steps of a row (the row kernel's and the split kernels'): the unit
+    loader, the filters' ``weight``/``eligible``/``score``, ``hist_one`` and the unit visitors
+    of the passes, as a namespace."""
+    UE, load = _unit_loader(kind, layout)
+    LOGITS = source == "logits"
     NEG_INF = float32(-math.inf)
-    enc = CODECS[spec.kind].encode
+    enc = CODECS[kind].encode
 
     @device
     def weight(v, xm, sm, t, inv):
@@ -245,6 +268,18 @@ def row_kernel(spec):
                 return weight(v, f[1], f[2], f[3], f[4]) >= f[6]
             return v >= f[6]
         return True
+
+    @device
+    def derive(xm, t, mpv, use_mp):
+        """``(x_max / T, 1 / p_max, min-p threshold)`` of a row of largest value ``xm``."""
+        sm = float32(xm / t) if LOGITS else float32(0)
+        inv = float32(0)
+        if not LOGITS and xm > float32(0):
+            inv = float32(float32(1) / xm)
+        thr = mpv
+        if use_mp and not LOGITS:
+            thr = float32(xm * mpv)
+        return sm, inv, thr
 
     @device
     def score(v, t):
@@ -338,6 +373,31 @@ def row_kernel(spec):
                 v = a[j]
                 yr[i0 + j] = float32(v / s32) if eligible(v, fkey(v), f) else float32(0)
         return st
+
+    return types.SimpleNamespace(
+        UE=UE, load=load, weight=weight, eligible=eligible, derive=derive, score=score,
+        hist_one=hist_one,
+        v_max=v_max, v_hist=v_hist, v_compact=v_compact, v_sample=v_sample, v_mask=v_mask,
+        v_sum=v_sum, v_renorm=v_renorm)
+
+
+def row_kernel(spec):
+    """The ``@cuda.jit`` function of ``spec``. Parameters: ``x [R, V]`` (storage dtype; layout
+    "vec": its rows as uint32 words), ``ids [R]`` int32 (sample), ``y [R, V]`` (mask: logits
+    dtype; renorm: fp32), the per-row ``top_k`` int32, ``top_p``, ``temperature``, ``min_p``
+    fp32, ``seed``, ``offset`` int64 arrays (length 0 where the scalar after them holds for every
+    row), then ``k, p, T, min_p, seed, offset`` scalars, ``per_row_seed`` (1: ``seed[r]`` is row
+    r's and the salt is 0), ``V`` and ``cap``, the candidates a row may compact (``<= CAP``;
+    tests lower it to reach every path, -1 never compacts)."""
+    P = _row_parts(spec.kind, spec.source, spec.layout)
+    UE, load, weight, eligible, score = P.UE, P.load, P.weight, P.eligible, P.score
+    derive = P.derive
+    hist_one, v_max, v_hist, v_compact = P.hist_one, P.v_max, P.v_hist, P.v_compact
+    v_sample, v_mask, v_sum, v_renorm = P.v_sample, P.v_mask, P.v_sum, P.v_renorm
+    LOGITS = spec.source == "logits"
+    SAMPLE, MASK, RENORM = (spec.output == o for o in OUTPUTS)
+    JOINT = spec.joint
+    NEG_INF = float32(-math.inf)
 
     max_pass = _row_pass(UE, load, v_max)
     hist_pass = _row_pass(UE, load, v_hist)
@@ -437,16 +497,8 @@ def row_kernel(spec):
         scr_f = cuda.shared.array(REDUCE_SCRATCH, float64)
         sh = (hist, tot, above, res, cand, cnt, scr_i)
 
-        k = int64(tk[row]) if tk.shape[0] > 0 else k_val
-        p = tp[row] if tp.shape[0] > 0 else p_val
-        t = tt[row] if tt.shape[0] > 0 else t_val
-        mpv = tmp[row] if tmp.shape[0] > 0 else mp_val
-        if not (LOGITS and SAMPLE):
-            t = float32(1)
-        use_k = k > 0 and k < V
-        use_p = p < float32(1)
-        use_mp = mpv > float32(0)
-        greedy = LOGITS and SAMPLE and t < float32(SAMPLING_EPS)
+        k, p, t, mpv, use_k, use_p, use_mp, greedy = _row_config(
+            tk, tp, tt, tmp, row, k_val, p_val, t_val, mp_val, V, LOGITS and SAMPLE)
 
         xm = NEG_INF
         im = int64(0)
@@ -459,13 +511,7 @@ def row_kernel(spec):
             if tid == 0:
                 ids[row] = int32(im)
             return
-        sm = float32(xm / t) if LOGITS else float32(0)
-        inv = float32(0)
-        if not LOGITS and xm > float32(0):
-            inv = float32(float32(1) / xm)
-        thr = mpv
-        if use_mp and not LOGITS:
-            thr = float32(xm * mpv)
+        sm, inv, thr = derive(xm, t, mpv, use_mp)
 
         lo = uint32(0)
         n = int64(-1)  # the candidates in shared memory (-1: none, the row is read)
@@ -515,6 +561,305 @@ def row_kernel(spec):
 
     kernel.__name__ = (f"sampler_{spec.source}_{spec.output}_{spec.kind}_{spec.layout}"
                        f"{'_joint' if JOINT else ''}")
+    return kernel
+
+
+# ---------------------------------------------------------------- split rows
+# A few rows (decode batches) give the row kernel a few blocks: one SM a row, bound by its
+# issue rate, not by the bytes. The split kernels spread each row over ``S`` blocks (``grid =
+# R * S``; block ``b`` works on chunk ``b % S`` of row ``b // S``) and run the same steps as
+# launches of one kernel, by ``phase``:
+#
+# * ``PH_MAX``: the largest key of each chunk; the row's last block to finish (a ticket on the
+#   stream's split counters, ``loomnb.ops._workspace``) folds them into ``st[r, S_XM]`` and
+#   writes a greedy row's token.
+# * ``PH_LEVEL``, ``level`` 0, 1, 2: one level of the radix select over digits of 11, 11 and 10
+#   bits (``SPLIT_BINS`` bins; a block histograms its chunk in shared memory and adds the
+#   non-empty bins to the row's global histogram ``hist[r, h]``); the last block scans it from
+#   the top exactly as the row kernel's ``select`` does, keeps the prefix, the weight above it
+#   and "done" in ``st``, and zeroes the histogram. ``which``: 0 top-k (``h = 0``, counts), 1
+#   top-p (``h = 1``, fixed-point mass, over keys ``>=`` the top-k threshold when the row has
+#   one: top-k first), 2 both at once over the whole row ("joint"). The thresholds are the row
+#   kernel's: each is the key where a running total over the eligible keys, from the top, first
+#   reaches its target, which does not depend on how the key's bits are cut into digits.
+# * ``PH_SAMPLE``: the Gumbel-max of each chunk over the kept tokens, folded by the last block
+#   into ``ids`` (the same draws as the row kernel: the same token).
+# * ``PH_SUM`` / ``PH_WRITE``: renorm's float64 sum (the chunks' partial sums added in chunk
+#   order by the last block) and the output pass (mask or renorm).
+#
+# Every counter a launch uses returns to 0 (``atomicInc`` wraps), and every histogram is zeroed
+# by the block that read it, so the workspaces are ready for the next call (graph replays too).
+SPLIT_BINS = 2048           # 11-bit digits (the last level's 10 bits use half the bins)
+SPLIT_LEVELS = 3            # 11 + 11 + 10 = 32 bits
+SPLIT_THREADS = 256
+PH_MAX, PH_LEVEL, PH_SAMPLE, PH_SUM, PH_WRITE = range(5)
+(S_XM, S_KPRE, S_KMASK, S_KBASE, S_KDONE, S_PPRE, S_PMASK, S_PBASE, S_PDONE) = range(9)
+NSTATE = 9                  # int64 state a row
+F_TARGET, F_SUM = 0, 1      # float64 state a row: top-p's mass target, renorm's sum
+NFSTATE = 2
+SPLIT_CASES = tuple((k, "logits", o) for k in KINDS for o in ("sample", "mask")) + (
+    ("f32", "probs", "sample"), ("f32", "probs", "renorm"))
+
+
+@dataclass(frozen=True)
+class SplitSpec:
+    kind: str             # the row's dtype (rows as uint32 words: 16-byte loads only)
+    source: str           # "logits" or "probs"
+    output: str           # "sample", "mask" (logits) or "renorm" (probs)
+
+    def __post_init__(self):
+        assert self.kind in KINDS and self.source in SOURCES and self.output in OUTPUTS
+
+
+def _split_argtypes(spec):
+    i64 = L.i64(0).numba_type
+    return _row_argtypes(RowSpec(spec.kind, spec.source, spec.output))[:-1] + (
+        L.array_type("int64", 2), L.array_type("float64", 2), L.array_type("int64", 3),
+        L.array_type("uint64", 1), L.array_type("float64", 1), L.array_type("uint32", 1),
+        i64, i64, i64, i64)
+
+
+@device
+def _last_block(counters, row, S, flag):
+    """True in every thread of the last of row ``row``'s ``S`` blocks to get here (each block
+    fences its writes first; the last one fences before it reads theirs)."""
+    cuda.threadfence()
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        ticket = cuda.atomic.inc(counters, row, uint32(S - 1))
+        flag[0] = int32(1) if ticket == uint32(S - 1) else int32(0)
+    cuda.syncthreads()
+    last = flag[0] != 0
+    if last:
+        cuda.threadfence()
+    return last
+
+
+@device
+def _split_select(hist, st, stf, row, h, level, target, mass, lo, above, res, scr_i, cols):
+    """The last block's step of a split level over ``hist[row, h]`` (see the block comment):
+    ``cols = (prefix, mask, base, done)`` columns of ``st``; ``target`` (top-k: ``k``; top-p:
+    ``top_p``, times the total mass at level 0, kept in ``stf``); ``lo``: the threshold when
+    no key is eligible. Zeroes the histogram."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    c_pre, c_mask, c_base, c_done = cols
+    shift = uint32(21 - 11 * level) if level < 2 else uint32(0)
+    prefix = uint32(0)
+    pmask = uint32(0)
+    base = int64(0)
+    if level > 0:
+        prefix = uint32(st[row, c_pre])
+        pmask = uint32(st[row, c_mask])
+        base = st[row, c_base]
+    if tid == 0:
+        res[0] = int64(NO_BIN)
+        res[1] = int64(-1)
+    run = int64(0)
+    for j0 in range(0, SPLIT_BINS, nt):  # bins from the top: the weight above each
+        j = j0 + tid
+        c = hist[row, h, SPLIT_BINS - 1 - j] if j < SPLIT_BINS else int64(0)
+        before, total = _block_scan_i64(c, scr_i)
+        if j < SPLIT_BINS:
+            above[j] = base + run + before
+        run += total
+        cuda.syncthreads()
+    t = float64(target)
+    if mass:
+        if level == 0:
+            t = float64(target) * float64(run)
+            if tid == 0:
+                stf[row, F_TARGET] = t
+        else:
+            t = stf[row, F_TARGET]
+    for j in range(tid, SPLIT_BINS, nt):
+        c = hist[row, h, SPLIT_BINS - 1 - j]
+        if c > 0:
+            if float64(above[j] + c) >= t:
+                cuda.atomic.min(res, 0, int64(j))
+            cuda.atomic.max(res, 1, int64(j))
+    cuda.syncthreads()
+    found = res[0]
+    if found == NO_BIN:
+        found = res[1]
+    if tid == 0:
+        if found < 0:  # no eligible key under the prefix (level 0: none at all)
+            st[row, c_pre] = int64(lo)
+            st[row, c_done] = int64(1)
+        else:
+            st[row, c_pre] = int64(prefix | (uint32(SPLIT_BINS - 1 - found) << shift))
+            st[row, c_mask] = int64(pmask | (uint32(SPLIT_BINS - 1) << shift))
+            st[row, c_base] = above[found]
+            st[row, c_done] = int64(1 if level == SPLIT_LEVELS - 1 else 0)
+    cuda.syncthreads()
+    for j in range(tid, SPLIT_BINS, nt):
+        hist[row, h, j] = int64(0)
+
+
+def split_kernel(spec):
+    """The ``@cuda.jit`` function of ``spec``: the row kernel's parameters but ``cap``, then
+    the workspaces ``st [R, NSTATE]`` int64, ``stf [R, NFSTATE]`` float64, ``hist [R, 2,
+    SPLIT_BINS]`` int64 (zero between launches), ``part [R * S]`` uint64 and ``psum [R * S]``
+    float64 (the chunks' records), the split ``counters`` (uint32, one a row), then ``S``,
+    ``phase``, ``level``, ``which`` (see the block comment)."""
+    P = _row_parts(spec.kind, spec.source, "vec")
+    UE, load, weight, eligible, derive = P.UE, P.load, P.weight, P.eligible, P.derive
+    LOGITS = spec.source == "logits"
+    SAMPLE = spec.output == "sample"
+    RENORM = spec.output == "renorm"
+    NEG_INF = float32(-math.inf)
+
+    @device
+    def v_level(a, i0, V, st, ctx):
+        cnt, mass, do_k, kpre, kmask, do_p, ppre, pmask, shift, fk, fp = ctx
+        for j in range(UE):
+            if i0 + j < V:
+                v = a[j]
+                key = fkey(v)
+                b = int32((key >> shift) & uint32(SPLIT_BINS - 1))
+                if do_k and (key & kmask) == kpre and eligible(v, key, fk):
+                    cuda.atomic.add(cnt, b, int32(1))
+                if do_p and (key & pmask) == ppre and eligible(v, key, fp):
+                    w = int64(weight(v, fp[1], fp[2], fp[3], fp[4]) * float32(MASS_SCALE))
+                    if w > 0:
+                        cuda.atomic.add(mass, b, w)
+        return st
+
+    max_pass = _chunk_pass(UE, load, P.v_max)
+    level_pass = _chunk_pass(UE, load, v_level)
+    sample_pass = _chunk_pass(UE, load, P.v_sample)
+    sum_pass = _chunk_pass(UE, load, P.v_sum)
+    mask_pass = _chunk_pass(UE, load, P.v_mask)
+    renorm_pass = _chunk_pass(UE, load, P.v_renorm)
+
+    def kernel(x, ids, y, tk, tp, tt, tmp, sd, so, k_val, p_val, t_val, mp_val, seed_val,
+               off_val, per_row_seed, V, st, stf, hist, part, psum, counters, S, phase, level,
+               which):
+        b = int64(cuda.blockIdx.x)
+        row = b // S
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        cnt = cuda.shared.array(SPLIT_BINS, int32)
+        mass = cuda.shared.array(SPLIT_BINS, int64)  # the last block's "above" after the flush
+        res = cuda.shared.array(2, int64)
+        flag = cuda.shared.array(1, int32)
+        scr_u = cuda.shared.array(REDUCE_SCRATCH, uint64)
+        scr_i = cuda.shared.array(REDUCE_SCRATCH, int64)
+        scr_f = cuda.shared.array(REDUCE_SCRATCH, float64)
+        lr = x[row]
+        nu = (V + UE - 1) // UE
+        cu = (nu + S - 1) // S
+        u0 = (b - row * S) * cu
+        u1 = u0 + cu
+        if u1 > nu:
+            u1 = nu
+        k, p, t, mpv, use_k, use_p, use_mp, greedy = _row_config(
+            tk, tp, tt, tmp, row, k_val, p_val, t_val, mp_val, V, LOGITS and SAMPLE)
+
+        if phase == PH_MAX:
+            best = block_max_u64(max_pass(lr, V, u0, u1, uint64(0), int64(0)), scr_u)
+            if tid == 0:
+                part[b] = best
+            if not _last_block(counters, row, S, flag):
+                return
+            best = uint64(0)
+            for q in range(tid, S, nt):
+                best = umax(best, part[row * S + q])
+            best = block_max_u64(best, scr_u)
+            if tid == 0:
+                st[row, S_XM] = int64(best)
+                if greedy:
+                    ids[row] = int32(key_index(best))
+            return
+        if greedy:
+            return  # its token is written
+        xm = NEG_INF
+        im = int64(0)
+        if use_mp or use_p:
+            best = uint64(st[row, S_XM])
+            xm = key_value(best)
+            im = key_index(best)
+        sm, inv, thr = derive(xm, t, mpv, use_mp)
+
+        if phase == PH_LEVEL:
+            do_k = use_k and which != 1 and (level == 0 or st[row, S_KDONE] == 0)
+            do_p = use_p and which != 0 and (level == 0 or st[row, S_PDONE] == 0)
+            if not (do_k or do_p):
+                return
+            shift = uint32(21 - 11 * level) if level < 2 else uint32(0)
+            kpre = kmask = ppre = pmask = uint32(0)
+            if level > 0:
+                kpre = uint32(st[row, S_KPRE])
+                kmask = uint32(st[row, S_KMASK])
+                ppre = uint32(st[row, S_PPRE])
+                pmask = uint32(st[row, S_PMASK])
+            lo_p = uint32(st[row, S_KPRE]) if (which == 1 and use_k) else uint32(0)
+            fk = (uint32(0), xm, sm, t, inv, use_mp, thr)
+            fp = (lo_p, xm, sm, t, inv, use_mp, thr)
+            for j in range(tid, SPLIT_BINS, nt):
+                cnt[j] = int32(0)
+                mass[j] = int64(0)
+            cuda.syncthreads()
+            level_pass(lr, V, u0, u1, int64(0),
+                       (cnt, mass, do_k, kpre, kmask, do_p, ppre, pmask, shift, fk, fp))
+            cuda.syncthreads()
+            for j in range(tid, SPLIT_BINS, nt):
+                if cnt[j] != 0:
+                    cuda.atomic.add(hist, (row, 0, j), int64(cnt[j]))
+                if mass[j] != 0:
+                    cuda.atomic.add(hist, (row, 1, j), mass[j])
+            if not _last_block(counters, row, S, flag):
+                return
+            if do_k:
+                _split_select(hist, st, stf, row, 0, level, float64(k), False, uint32(0), mass,
+                              res, scr_i, (S_KPRE, S_KMASK, S_KBASE, S_KDONE))
+            if do_p:
+                _split_select(hist, st, stf, row, 1, level, float64(p), True, lo_p, mass, res,
+                              scr_i, (S_PPRE, S_PMASK, S_PBASE, S_PDONE))
+            return
+
+        lo = uint32(0)
+        if use_k:
+            lo = uint32(st[row, S_KPRE])
+        if use_p:
+            lp = uint32(st[row, S_PPRE])
+            if lp > lo:
+                lo = lp
+        f = (lo, xm, sm, t, inv, use_mp, thr)
+        if phase == PH_SAMPLE:
+            salt, c2, c3, k0, k1 = _request_key(sd, so, seed_val, off_val, per_row_seed, row)
+            best = block_max_u64(sample_pass(lr, V, u0, u1, uint64(0), (salt, c2, c3, k0, k1, f)),
+                                 scr_u)
+            if tid == 0:
+                part[b] = best
+            if not _last_block(counters, row, S, flag):
+                return
+            best = uint64(0)
+            for q in range(tid, S, nt):
+                best = umax(best, part[row * S + q])
+            best = block_max_u64(best, scr_u)
+            if tid == 0:
+                ids[row] = int32(key_index(best)) if best > uint64(0) else int32(im)
+            return
+        if phase == PH_SUM:
+            s64 = _block_sum_f64(sum_pass(lr, V, u0, u1, float64(0), f), scr_f)
+            if tid == 0:
+                psum[b] = s64
+            if not _last_block(counters, row, S, flag):
+                return
+            if tid == 0:
+                s64 = float64(0)
+                for q in range(S):  # in chunk order: deterministic
+                    s64 += psum[row * S + q]
+                stf[row, F_SUM] = s64
+            return
+        # PH_WRITE
+        if RENORM:
+            renorm_pass(lr, V, u0, u1, int64(0), (y[row], float32(stf[row, F_SUM]), f))
+        else:
+            mask_pass(lr, V, u0, u1, int64(0), (y[row], lo))
+
+    kernel.__name__ = f"sampler_split_{spec.source}_{spec.output}_{spec.kind}"
     return kernel
 
 
@@ -570,6 +915,8 @@ def penalty_kernel(spec):
 def argtypes(spec):
     if isinstance(spec, ChainSpec):
         return _chain_argtypes(spec)
+    if isinstance(spec, SplitSpec):
+        return _split_argtypes(spec)
     return _row_argtypes(spec) if isinstance(spec, RowSpec) else _penalty_argtypes(spec)
 
 
@@ -594,6 +941,9 @@ def variants():
     for layout in LAYOUTS:
         spec = RowSpec("f32", "probs", "renorm", layout=layout)
         out.append((row_kernel, spec, argtypes(spec)))
+    for kind, source, output in SPLIT_CASES:
+        spec = SplitSpec(kind, source, output)
+        out.append((split_kernel, spec, argtypes(spec)))
     for draft in (True, False):
         for layout in LAYOUTS:
             spec = ChainSpec(draft, layout)

@@ -58,8 +58,10 @@ from .._dtypes import storage_dtype
 from ..checks import check_kind, check_ndim, check_same_device, check_shape
 from . import _contract as C
 from . import _launch as L
-from ._sampler_kernels import (CAP, SPEC_MAX_DRAFTS, ChainSpec, PenaltySpec, RowSpec,
-                               chain_kernel, penalty_kernel, row_kernel)
+from . import _sampler_kernels as K
+from . import _workspace as W
+from ._sampler_kernels import (CAP, SPEC_MAX_DRAFTS, ChainSpec, PenaltySpec, RowSpec, SplitSpec,
+                               chain_kernel, penalty_kernel, row_kernel, split_kernel)
 from ._torch_ops import torch_op
 
 __all__ = ["top_k_top_p_sampling_from_logits", "top_k_top_p_sampling_from_probs",
@@ -74,6 +76,8 @@ PENALTY_THREADS = 256
 MAX_VOCAB = 1 << 21           # mass sums stay below 2^53 (exact in float64)
 PENALTY_GRID_ROWS = 65535     # the penalty grid's y dimension: more rows loop
 ORDERS = ("top_k_first", "joint")
+SPLIT_MAX_ROWS = 64           # up to this many rows, each row is split over several blocks
+SPLIT_BLOCKS = 264            # the blocks a split launch aims at (two an SM of an H100 / H200)
 
 
 # ---------------------------------------------------------------- checks
@@ -158,6 +162,82 @@ def force_candidates(n):
         L.clear_launch_cache()
 
 
+_forced_split = None
+
+
+@contextlib.contextmanager
+def force_split(n):
+    """Test hook: ``n >= 2`` splits every row with 16-byte loads over ``n`` blocks (the split
+    kernels), 0 or 1 never splits, None restores the launch rule (:func:`_splits`)."""
+    global _forced_split
+    old, _forced_split = _forced_split, n
+    L.clear_launch_cache()
+    try:
+        yield
+    finally:
+        _forced_split = old
+        L.clear_launch_cache()
+
+
+def _splits(R, V, kind, vec):
+    """The blocks a row is split over: 1 (the row kernel) for rows without 16-byte loads or
+    more than ``SPLIT_MAX_ROWS`` rows (one block a row fills the GPU); else enough to give
+    ``SPLIT_BLOCKS`` blocks in all, each with at least one full round of loads (``G`` units a
+    thread)."""
+    if not vec:
+        return 1
+    if _forced_split is not None:
+        return max(1, _forced_split)
+    if R > SPLIT_MAX_ROWS:
+        return 1
+    units = -(-V // K.UNIT_ELEMS[kind])
+    return max(1, min(-(-units // (K.G * K.SPLIT_THREADS)), -(-SPLIT_BLOCKS // R)))
+
+
+def _split_steps(spec, k_on, p_on):
+    """``[(phase, level, which)]``: the split launches of a call (``k_on`` / ``p_on``: some row
+    may filter by top-k / top-p)."""
+    steps = []
+    if spec.output == "sample" or p_on:
+        steps.append((K.PH_MAX, 0, 0))
+    both = spec.joint and k_on and p_on
+    if k_on:
+        steps += [(K.PH_LEVEL, lv, 2 if both else 0) for lv in range(K.SPLIT_LEVELS)]
+    if p_on and not both:
+        steps += [(K.PH_LEVEL, lv, 1) for lv in range(K.SPLIT_LEVELS)]
+    if spec.output == "sample":
+        steps.append((K.PH_SAMPLE, 0, 0))
+    else:
+        if spec.output == "renorm":
+            steps.append((K.PH_SUM, 0, 0))
+        steps.append((K.PH_WRITE, 0, 0))
+    return steps
+
+
+def _launch_split(spec, S, params, steps, xa, stream, key):
+    """The split launches of one call (``params``: the row kernel's, ``cap`` dropped)."""
+    R = xa.shape[0]
+    like = xa
+    st = W.buffer("sampler_split_state", like, stream, R, (K.NSTATE,), "int64")
+    stf = W.buffer("sampler_split_fstate", like, stream, R, (K.NFSTATE,), "float64")
+    hist = W.buffer("sampler_split_hist", like, stream, R, (2, K.SPLIT_BINS), "int64")
+    part = W.buffer("sampler_split_part", like, stream, R * S, (), "int64")
+    psum = W.buffer("sampler_split_psum", like, stream, R * S, (), "float64")
+    ctr = W.counters(like, stream, R)
+    base = params + [W.param(st, "int64", like), W.param(stf, "float64", like),
+                     W.param(hist, "int64", like), W.param(part, "uint64", like),
+                     W.param(psum, "float64", like), W.param(ctr, "uint32", like), L.i64(S)]
+    sspec = SplitSpec(spec.kind, spec.source, spec.output)
+    forced = L.forced_threads()
+    threads = forced if forced is not None else K.SPLIT_THREADS
+    row_twin = dataclasses.replace(spec, layout="vec")
+    for i, (phase, level, which) in enumerate(steps):
+        L.launch(split_kernel, sspec, R * S, threads,
+                 base + [L.i64(phase), L.i64(level), L.i64(which)], like=xa, stream=stream,
+                 key=key, part=(i, len(steps)),
+                 warm=lambda: [(row_kernel, row_twin, K.argtypes(row_twin))])
+
+
 def _seeds(op, like, seed, offset, generator):
     """``(seed array or None, seed int, offset array or None, offset int, fresh)`` of a sampling
     call: ``generator`` checked (a ``torch.Generator`` with torch tensors), the seed and offset
@@ -217,7 +297,15 @@ def _launch_rows(op, spec, xa, ids, y, k, p, t, mp, seed, offset, generator, str
               L.array(oa) if oa is not None else L.absent("int64", 1),
               L.i64(kv), L.f32(pv), L.f32(tv), L.f32(mv), L.i64(sv), L.i64(ov),
               L.i64(per_row_seed), L.i64(V), L.i64(CAP if _forced_cap is None else _forced_cap)]
-    L.launch(row_kernel, spec, R, _threads(V), params, like=xa, stream=stream, key=key)
+    S = _splits(R, V, xa.kind, vec)
+    if S > 1:
+        k_on = ka is not None or 0 < kv < V
+        p_on = pa is not None or pv < 1.0
+        _launch_split(spec, S, params[:-1], _split_steps(spec, k_on, p_on), xa, stream, key)
+        return
+    twin = SplitSpec(spec.kind, spec.source, spec.output)  # what a call of fewer rows launches
+    warm = (lambda: [(split_kernel, twin, K.argtypes(twin))]) if vec else None
+    L.launch(row_kernel, spec, R, _threads(V), params, like=xa, stream=stream, key=key, warm=warm)
 
 
 def _order(op, filter_apply_order):
