@@ -591,7 +591,7 @@ def row_kernel(spec):
 # by the block that read it, so the workspaces are ready for the next call (graph replays too).
 SPLIT_BINS = 2048           # 11-bit digits (the last level's 10 bits use half the bins)
 SPLIT_LEVELS = 3            # 11 + 11 + 10 = 32 bits
-SPLIT_THREADS = 256
+SPLIT_THREADS = 256         # a power of two: SPLIT_BINS is a multiple of it
 PH_MAX, PH_LEVEL, PH_SAMPLE, PH_SUM, PH_WRITE = range(5)
 (S_XM, S_KPRE, S_KMASK, S_KBASE, S_KDONE, S_PPRE, S_PMASK, S_PBASE, S_PDONE) = range(9)
 NSTATE = 9                  # int64 state a row
@@ -640,9 +640,11 @@ def _split_select(hist, st, stf, row, h, level, target, mass, lo, above, res, sc
     """The last block's step of a split level over ``hist[row, h]`` (see the block comment):
     ``cols = (prefix, mask, base, done)`` columns of ``st``; ``target`` (top-k: ``k``; top-p:
     ``top_p``, times the total mass at level 0, kept in ``stf``); ``lo``: the threshold when
-    no key is eligible. Zeroes the histogram."""
+    no key is eligible. Thread ``t`` owns ``SPLIT_BINS / blockDim`` consecutive bins from the
+    top: it reads (and zeroes) them at once, one block scan of the threads' sums gives each bin
+    the weight above it."""
     tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
+    bpt = SPLIT_BINS // cuda.blockDim.x
     c_pre, c_mask, c_base, c_done = cols
     shift = uint32(21 - 11 * level) if level < 2 else uint32(0)
     prefix = uint32(0)
@@ -655,29 +657,33 @@ def _split_select(hist, st, stf, row, h, level, target, mass, lo, above, res, sc
     if tid == 0:
         res[0] = int64(NO_BIN)
         res[1] = int64(-1)
-    run = int64(0)
-    for j0 in range(0, SPLIT_BINS, nt):  # bins from the top: the weight above each
-        j = j0 + tid
-        c = hist[row, h, SPLIT_BINS - 1 - j] if j < SPLIT_BINS else int64(0)
-        before, total = _block_scan_i64(c, scr_i)
-        if j < SPLIT_BINS:
-            above[j] = base + run + before
-        run += total
-        cuda.syncthreads()
+    j0 = tid * bpt  # j = 0 is the top bin, SPLIT_BINS - 1
+    mine = int64(0)
+    for q in range(bpt):
+        b = SPLIT_BINS - 1 - (j0 + q)
+        c = hist[row, h, b]
+        hist[row, h, b] = int64(0)
+        above[j0 + q] = c
+        mine += c
+    before, total = _block_scan_i64(mine, scr_i)
     t = float64(target)
     if mass:
         if level == 0:
-            t = float64(target) * float64(run)
+            t = float64(target) * float64(total)
             if tid == 0:
                 stf[row, F_TARGET] = t
         else:
             t = stf[row, F_TARGET]
-    for j in range(tid, SPLIT_BINS, nt):
-        c = hist[row, h, SPLIT_BINS - 1 - j]
+    run = base + before
+    for q in range(bpt):
+        j = j0 + q
+        c = above[j]
+        above[j] = run
         if c > 0:
-            if float64(above[j] + c) >= t:
+            if float64(run + c) >= t:
                 cuda.atomic.min(res, 0, int64(j))
             cuda.atomic.max(res, 1, int64(j))
+        run += c
     cuda.syncthreads()
     found = res[0]
     if found == NO_BIN:
@@ -692,8 +698,6 @@ def _split_select(hist, st, stf, row, h, level, target, mass, lo, above, res, sc
             st[row, c_base] = above[found]
             st[row, c_done] = int64(1 if level == SPLIT_LEVELS - 1 else 0)
     cuda.syncthreads()
-    for j in range(tid, SPLIT_BINS, nt):
-        hist[row, h, j] = int64(0)
 
 
 def split_kernel(spec):

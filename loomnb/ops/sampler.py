@@ -43,7 +43,10 @@ non-NaN value): greedy and random rows mix in one batch. NaN values are never ke
 nothing kept answers the argmax (0 when every value is NaN).
 
 Bytes: a sample reads each row 1 + 4 x (filters) + 1 times (the radix levels; from L2 after the
-first pass when the rows fit), writes 4 bytes a row; one block a row.
+first pass when the rows fit), writes 4 bytes a row. Up to ``SPLIT_MAX_ROWS`` (64) rows with
+16-byte-aligned rows, each row is split over several blocks (the split kernels: the same
+thresholds and draws, in 2 + 3 x (filters) launches; one block a row is one SM, bound by its
+issue rate at decode batch sizes); more rows take one block a row, one launch.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ MAX_VOCAB = 1 << 21           # mass sums stay below 2^53 (exact in float64)
 PENALTY_GRID_ROWS = 65535     # the penalty grid's y dimension: more rows loop
 ORDERS = ("top_k_first", "joint")
 SPLIT_MAX_ROWS = 64           # up to this many rows, each row is split over several blocks
-SPLIT_BLOCKS = 264            # the blocks a split launch aims at (two an SM of an H100 / H200)
+SPLIT_BLOCKS = 1024           # the blocks a split launch aims at (8 an SM of an H100 / H200)
 
 
 # ---------------------------------------------------------------- checks
@@ -182,8 +185,8 @@ def force_split(n):
 def _splits(R, V, kind, vec):
     """The blocks a row is split over: 1 (the row kernel) for rows without 16-byte loads or
     more than ``SPLIT_MAX_ROWS`` rows (one block a row fills the GPU); else enough to give
-    ``SPLIT_BLOCKS`` blocks in all, each with at least one full round of loads (``G`` units a
-    thread)."""
+    ``SPLIT_BLOCKS`` blocks in all, each with at least one unit (16 bytes) a thread: a pass's
+    time is the latency of a thread's chain of elements, so more blocks, each shorter."""
     if not vec:
         return 1
     if _forced_split is not None:
@@ -191,7 +194,7 @@ def _splits(R, V, kind, vec):
     if R > SPLIT_MAX_ROWS:
         return 1
     units = -(-V // K.UNIT_ELEMS[kind])
-    return max(1, min(-(-units // (K.G * K.SPLIT_THREADS)), -(-SPLIT_BLOCKS // R)))
+    return max(1, min(-(-units // K.SPLIT_THREADS), -(-SPLIT_BLOCKS // R)))
 
 
 def _split_steps(spec, k_on, p_on):
@@ -229,7 +232,8 @@ def _launch_split(spec, S, params, steps, xa, stream, key):
                      W.param(psum, "float64", like), W.param(ctr, "uint32", like), L.i64(S)]
     sspec = SplitSpec(spec.kind, spec.source, spec.output)
     forced = L.forced_threads()
-    threads = forced if forced is not None else K.SPLIT_THREADS
+    # a power of two (each thread of the selecting block owns SPLIT_BINS / threads bins)
+    threads = 1 << (min(forced, 1024).bit_length() - 1) if forced is not None else K.SPLIT_THREADS
     row_twin = dataclasses.replace(spec, layout="vec")
     for i, (phase, level, which) in enumerate(steps):
         L.launch(split_kernel, sspec, R * S, threads,
