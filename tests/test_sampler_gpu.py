@@ -286,6 +286,15 @@ def test_split_rows_equal_the_row_kernel(R, vocab, dtype):
                     x, k, p, temperature=t, min_p=mp, filter_apply_order=order, seed=seed,
                     offset=2))
         assert torch.equal(runs[0], runs[1]), order
+    # a scalar top-k: the row kernel finishes from the first level's candidates (k = 50), or
+    # from the row when they do not fit (k = 1024: more than 1,024 keys in or above its bin)
+    for kk in (50, 1024):
+        runs = []
+        for split in (None, 0):
+            with force_split(split):
+                runs.append(loomnb.top_k_top_p_sampling_from_logits(
+                    x, kk, p, temperature=t, min_p=mp, seed=seed, offset=2))
+        assert torch.equal(runs[0], runs[1]), f"k={kk}"
     for name, args in (("top_k_mask_logits", (k,)), ("sampling_from_logits", ())):
         runs = []
         for split in (None, 0):

@@ -177,8 +177,8 @@ def split(n, threads=32):
     with force_split(n), L.force_threads(threads):
         yield
     for key, buf in W._buffers.items():
-        if key[0] == "sampler_split_hist":
-            assert not np.asarray(buf).any(), "a split histogram was left non-zero"
+        if key[0] in ("sampler_split_hist", "sampler_split_count"):
+            assert not np.asarray(buf).any(), f"{key[0]} was left non-zero"
 
 
 @pytest.mark.parametrize("kind, V, S", [("f32", 40, 3), ("bf16", 48, 2), ("f16", 48, 4),
@@ -194,6 +194,22 @@ def test_split_rows_per_row_configs(kind, V, S):
         got, want, _, _ = call_both("top_k_top_p_sampling_from_logits", x, 6, 0.6,
                                     filter_apply_order="joint", seed=5)
     assert_bits(got, want, "joint")
+
+
+# A scalar top-k: the first top-k level, its candidates compacted, the row kernel finishing
+# each row from them (cap None), from the row when they do not fit (6 at V = 40: some rows
+# fit, some do not), or never compacting (-1).
+@pytest.mark.parametrize("cap", [None, 6, -1])
+@pytest.mark.parametrize("kind", ["f32", "bf16"])
+def test_split_rows_finished_by_the_row_kernel(kind, cap):
+    x = logits(np.random.default_rng(13), 5, 40 if kind == "f32" else 48, kind)
+    with split(3), force_candidates(cap):
+        got, want, _, _ = call_both("top_k_top_p_sampling_from_logits", x, 4, ROWS["top_p"],
+                                    temperature=ROWS["temperature"], min_p=ROWS["min_p"],
+                                    seed=np.arange(5, dtype=np.int64), offset=3)
+    assert_bits(got, want, kind)
+    launched = {(type(s).__name__, getattr(s, "finish", None)) for _, s, _ in L.launched()}
+    assert ("RowSpec", True) in launched
 
 
 def test_split_rows_from_probs_mask_renorm_and_edges():

@@ -92,10 +92,13 @@ class RowSpec:
     output: str           # "sample", "mask" (logits) or "renorm" (probs)
     joint: bool = False   # top-p on the whole row's mass (FlashInfer's "joint"), else on top-k's
     layout: str = "vec"   # "vec": 16-byte loads (rows aligned, whole units); "scalar"
+    finish: bool = False  # finish a split top-k sample (state and candidates of the split kernels)
 
     def __post_init__(self):
         assert self.kind in KINDS and self.source in SOURCES and self.output in OUTPUTS
         assert self.layout in LAYOUTS
+        assert not self.finish or (self.output == "sample" and not self.joint
+                                   and self.layout == "vec")
         assert not (self.output == "mask" and self.source != "logits")
         assert not (self.output == "renorm" and self.source != "probs")
 
@@ -173,7 +176,8 @@ def _row_argtypes(spec):
     return (L.array_type(xs, 2), L.array_type("int32", 1), L.array_type(y, 2),
             L.array_type("int32", 1), L.array_type("float32", 1), L.array_type("float32", 1),
             L.array_type("float32", 1), L.array_type("int64", 1), L.array_type("int64", 1),
-            i64, f32, f32, f32, i64, i64, i64, i64, i64)
+            i64, f32, f32, f32, i64, i64, i64, i64, i64, L.array_type("int64", 2),
+            L.array_type("uint64", 2), L.array_type("int32", 1))
 
 
 def _unit_loader(kind, layout):
@@ -200,11 +204,21 @@ def _unit_loader(kind, layout):
     return 4, load_quad
 
 
-def _chunk_pass(UE, load, visit):
+def _chunk_pass(UE, load, visit, loads=G):
     """``run(row, V, u0, nu, st, ctx) -> st``: this thread's units ``u0 <= u < nu`` of the row
     (stride ``blockDim``), ``G`` of them loaded before any is used (G loads in flight: a pass is
     bound by the bytes, not by one load's latency), each given to ``visit(unit, first_index, V,
-    st, ctx) -> st``."""
+    st, ctx) -> st``. ``loads=1``: one unit at a time (the split kernels, whose many blocks keep
+    the loads in flight, and whose registers set how many blocks an SM holds)."""
+    if loads == 1:
+        @device
+        def run1(row, V, u0, nu, st, ctx):
+            for u in range(u0 + cuda.threadIdx.x, nu, cuda.blockDim.x):
+                st = visit(load(row, u, V), u * UE, V, st, ctx)
+            return st
+
+        return run1
+    assert loads == G
 
     @device
     def run(row, V, u0, nu, st, ctx):
@@ -397,6 +411,7 @@ def row_kernel(spec):
     LOGITS = spec.source == "logits"
     SAMPLE, MASK, RENORM = (spec.output == o for o in OUTPUTS)
     JOINT = spec.joint
+    FINISH = spec.finish
     NEG_INF = float32(-math.inf)
 
     max_pass = _row_pass(UE, load, v_max)
@@ -481,7 +496,7 @@ def row_kernel(spec):
         return prefix, n
 
     def kernel(x, ids, y, tk, tp, tt, tmp, sd, so, k_val, p_val, t_val, mp_val, seed_val,
-               off_val, per_row_seed, V, cap):
+               off_val, per_row_seed, V, cap, st, gcand, gcnt):
         row = int64(cuda.blockIdx.x)
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
@@ -502,7 +517,14 @@ def row_kernel(spec):
 
         xm = NEG_INF
         im = int64(0)
-        if greedy or use_mp or use_p:
+        if FINISH:  # after the split kernels' PH_MAX, PH_LEVEL 0 (top-k) and PH_COMPACT
+            if greedy:
+                return  # its token is written
+            if use_mp or use_p:
+                best = uint64(st[row, S_XM])
+                xm = key_value(best)
+                im = key_index(best)
+        elif greedy or use_mp or use_p:
             best = block_max_u64(max_pass(lr, V, uint64(0), int64(0)), scr_u)
             cuda.syncthreads()
             xm = key_value(best)
@@ -515,6 +537,18 @@ def row_kernel(spec):
 
         lo = uint32(0)
         n = int64(-1)  # the candidates in shared memory (-1: none, the row is read)
+        if FINISH and use_k and st[row, S_KCOUNT] <= cap:
+            # every eligible key in or above top-k's first-level bin, compacted by the split
+            # kernels: the row kernel's candidates
+            if tid == 0:
+                cnt[0] = gcnt[row]
+            cuda.syncthreads()
+            n = int64(cnt[0])
+            for c in range(tid, n, nt):
+                cand[c] = gcand[row, c]
+            cuda.syncthreads()
+            if tid == 0:
+                gcnt[row] = int32(0)
         if use_k:
             lo, n = select(lr, V, False, float32(k), (lo, xm, sm, t, inv, use_mp, thr), n,
                            cap, sh)
@@ -560,7 +594,7 @@ def row_kernel(spec):
         renorm_pass(lr, V, int64(0), (y[row], float32(s64), f))
 
     kernel.__name__ = (f"sampler_{spec.source}_{spec.output}_{spec.kind}_{spec.layout}"
-                       f"{'_joint' if JOINT else ''}")
+                       f"{'_joint' if JOINT else ''}{'_finish' if FINISH else ''}")
     return kernel
 
 
@@ -586,15 +620,23 @@ def row_kernel(spec):
 #   into ``ids`` (the same draws as the row kernel: the same token).
 # * ``PH_SUM`` / ``PH_WRITE``: renorm's float64 sum (the chunks' partial sums added in chunk
 #   order by the last block) and the output pass (mask or renorm).
+# * ``PH_COMPACT``: a top-k-first sample whose every row takes top-k (a scalar ``k <= CAP``)
+#   stops after the first top-k level: the blocks copy every eligible key in or above its bin
+#   (``st[r, S_KCOUNT]`` of them, when at most ``cap``) into ``gcand[r]``, and the row kernel
+#   (``RowSpec.finish``) finishes each row from those candidates in one block -- the rest of
+#   top-k, top-p over the top-k set and the sample, 4 launches instead of 8 -- or, when they
+#   did not fit, from the row.
 #
 # Every counter a launch uses returns to 0 (``atomicInc`` wraps), and every histogram is zeroed
 # by the block that read it, so the workspaces are ready for the next call (graph replays too).
 SPLIT_BINS = 2048           # 11-bit digits (the last level's 10 bits use half the bins)
 SPLIT_LEVELS = 3            # 11 + 11 + 10 = 32 bits
+SPLIT_LOADS = 1             # units a thread loads at once (registers: blocks an SM holds)
 SPLIT_THREADS = 256         # a power of two: SPLIT_BINS is a multiple of it
-PH_MAX, PH_LEVEL, PH_SAMPLE, PH_SUM, PH_WRITE = range(5)
-(S_XM, S_KPRE, S_KMASK, S_KBASE, S_KDONE, S_PPRE, S_PMASK, S_PBASE, S_PDONE) = range(9)
-NSTATE = 9                  # int64 state a row
+PH_MAX, PH_LEVEL, PH_SAMPLE, PH_SUM, PH_WRITE, PH_COMPACT = range(6)
+(S_XM, S_KPRE, S_KMASK, S_KBASE, S_KDONE, S_KCOUNT, S_PPRE, S_PMASK, S_PBASE, S_PDONE,
+ S_PCOUNT) = range(11)
+NSTATE = 11                 # int64 state a row
 F_TARGET, F_SUM = 0, 1      # float64 state a row: top-p's mass target, renorm's sum
 NFSTATE = 2
 SPLIT_CASES = tuple((k, "logits", o) for k in KINDS for o in ("sample", "mask")) + (
@@ -613,10 +655,10 @@ class SplitSpec:
 
 def _split_argtypes(spec):
     i64 = L.i64(0).numba_type
-    return _row_argtypes(RowSpec(spec.kind, spec.source, spec.output))[:-1] + (
+    return _row_argtypes(RowSpec(spec.kind, spec.source, spec.output))[:-3] + (
         L.array_type("int64", 2), L.array_type("float64", 2), L.array_type("int64", 3),
         L.array_type("uint64", 1), L.array_type("float64", 1), L.array_type("uint32", 1),
-        i64, i64, i64, i64)
+        L.array_type("uint64", 2), L.array_type("int32", 1), i64, i64, i64, i64)
 
 
 @device
@@ -638,14 +680,15 @@ def _last_block(counters, row, S, flag):
 @device
 def _split_select(hist, st, stf, row, h, level, target, mass, lo, above, res, scr_i, cols):
     """The last block's step of a split level over ``hist[row, h]`` (see the block comment):
-    ``cols = (prefix, mask, base, done)`` columns of ``st``; ``target`` (top-k: ``k``; top-p:
+    ``cols = (prefix, mask, base, done, count)`` columns of ``st`` (count: the weight at or
+    above the found bin); ``target`` (top-k: ``k``; top-p:
     ``top_p``, times the total mass at level 0, kept in ``stf``); ``lo``: the threshold when
     no key is eligible. Thread ``t`` owns ``SPLIT_BINS / blockDim`` consecutive bins from the
     top: it reads (and zeroes) them at once, one block scan of the threads' sums gives each bin
     the weight above it."""
     tid = cuda.threadIdx.x
     bpt = SPLIT_BINS // cuda.blockDim.x
-    c_pre, c_mask, c_base, c_done = cols
+    c_pre, c_mask, c_base, c_done, c_count = cols
     shift = uint32(21 - 11 * level) if level < 2 else uint32(0)
     prefix = uint32(0)
     pmask = uint32(0)
@@ -692,19 +735,23 @@ def _split_select(hist, st, stf, row, h, level, target, mass, lo, above, res, sc
         if found < 0:  # no eligible key under the prefix (level 0: none at all)
             st[row, c_pre] = int64(lo)
             st[row, c_done] = int64(1)
+            st[row, c_count] = int64(0)
         else:
             st[row, c_pre] = int64(prefix | (uint32(SPLIT_BINS - 1 - found) << shift))
             st[row, c_mask] = int64(pmask | (uint32(SPLIT_BINS - 1) << shift))
             st[row, c_base] = above[found]
+            st[row, c_count] = above[found + 1] if found + 1 < SPLIT_BINS else base + total
             st[row, c_done] = int64(1 if level == SPLIT_LEVELS - 1 else 0)
     cuda.syncthreads()
 
 
 def split_kernel(spec):
-    """The ``@cuda.jit`` function of ``spec``: the row kernel's parameters but ``cap``, then
-    the workspaces ``st [R, NSTATE]`` int64, ``stf [R, NFSTATE]`` float64, ``hist [R, 2,
-    SPLIT_BINS]`` int64 (zero between launches), ``part [R * S]`` uint64 and ``psum [R * S]``
-    float64 (the chunks' records), the split ``counters`` (uint32, one a row), then ``S``,
+    """The ``@cuda.jit`` function of ``spec``: the row kernel's parameters up to ``cap`` (the
+    candidates PH_COMPACT may copy), then the workspaces ``st [R, NSTATE]`` int64, ``stf [R,
+    NFSTATE]`` float64, ``hist [R, 2, SPLIT_BINS]`` int64 (zero between launches), ``part [R *
+    S]`` uint64 and ``psum [R * S]`` float64 (the chunks' records), the split ``counters``
+    (uint32, one a row), the candidates ``gcand [R, CAP]`` uint64 (order keys) and their count
+    ``gcnt [R]`` int32 (zero between launches: the finishing row kernel resets it), then ``S``,
     ``phase``, ``level``, ``which`` (see the block comment)."""
     P = _row_parts(spec.kind, spec.source, "vec")
     UE, load, weight, eligible, derive = P.UE, P.load, P.weight, P.eligible, P.derive
@@ -729,16 +776,17 @@ def split_kernel(spec):
                         cuda.atomic.add(mass, b, w)
         return st
 
-    max_pass = _chunk_pass(UE, load, P.v_max)
-    level_pass = _chunk_pass(UE, load, v_level)
-    sample_pass = _chunk_pass(UE, load, P.v_sample)
-    sum_pass = _chunk_pass(UE, load, P.v_sum)
-    mask_pass = _chunk_pass(UE, load, P.v_mask)
-    renorm_pass = _chunk_pass(UE, load, P.v_renorm)
+    max_pass = _chunk_pass(UE, load, P.v_max, SPLIT_LOADS)
+    level_pass = _chunk_pass(UE, load, v_level, SPLIT_LOADS)
+    sample_pass = _chunk_pass(UE, load, P.v_sample, SPLIT_LOADS)
+    compact_pass = _chunk_pass(UE, load, P.v_compact, SPLIT_LOADS)
+    sum_pass = _chunk_pass(UE, load, P.v_sum, SPLIT_LOADS)
+    mask_pass = _chunk_pass(UE, load, P.v_mask, SPLIT_LOADS)
+    renorm_pass = _chunk_pass(UE, load, P.v_renorm, SPLIT_LOADS)
 
     def kernel(x, ids, y, tk, tp, tt, tmp, sd, so, k_val, p_val, t_val, mp_val, seed_val,
-               off_val, per_row_seed, V, st, stf, hist, part, psum, counters, S, phase, level,
-               which):
+               off_val, per_row_seed, V, cap, st, stf, hist, part, psum, counters, gcand, gcnt,
+               S, phase, level, which):
         b = int64(cuda.blockIdx.x)
         row = b // S
         tid = cuda.threadIdx.x
@@ -816,10 +864,10 @@ def split_kernel(spec):
                 return
             if do_k:
                 _split_select(hist, st, stf, row, 0, level, float64(k), False, uint32(0), mass,
-                              res, scr_i, (S_KPRE, S_KMASK, S_KBASE, S_KDONE))
+                              res, scr_i, (S_KPRE, S_KMASK, S_KBASE, S_KDONE, S_KCOUNT))
             if do_p:
                 _split_select(hist, st, stf, row, 1, level, float64(p), True, lo_p, mass, res,
-                              scr_i, (S_PPRE, S_PMASK, S_PBASE, S_PDONE))
+                              scr_i, (S_PPRE, S_PMASK, S_PBASE, S_PDONE, S_PCOUNT))
             return
 
         lo = uint32(0)
@@ -830,6 +878,12 @@ def split_kernel(spec):
             if lp > lo:
                 lo = lp
         f = (lo, xm, sm, t, inv, use_mp, thr)
+        if phase == PH_COMPACT:  # top-k's first-level candidates, for the row kernel to finish
+            if use_k and st[row, S_KCOUNT] <= cap:
+                f = (uint32(0), xm, sm, t, inv, use_mp, thr)
+                compact_pass(lr, V, u0, u1, int64(0),
+                             (gcand[row], gcnt[row:row + 1], uint32(st[row, S_KPRE]), f))
+            return
         if phase == PH_SAMPLE:
             salt, c2, c3, k0, k1 = _request_key(sd, so, seed_val, off_val, per_row_seed, row)
             best = block_max_u64(sample_pass(lr, V, u0, u1, uint64(0), (salt, c2, c3, k0, k1, f)),
@@ -948,6 +1002,9 @@ def variants():
     for kind, source, output in SPLIT_CASES:
         spec = SplitSpec(kind, source, output)
         out.append((split_kernel, spec, argtypes(spec)))
+        if output == "sample":
+            spec = RowSpec(kind, source, "sample", finish=True)
+            out.append((row_kernel, spec, argtypes(spec)))
     for draft in (True, False):
         for layout in LAYOUTS:
             spec = ChainSpec(draft, layout)

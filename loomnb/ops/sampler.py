@@ -80,7 +80,7 @@ MAX_VOCAB = 1 << 21           # mass sums stay below 2^53 (exact in float64)
 PENALTY_GRID_ROWS = 65535     # the penalty grid's y dimension: more rows loop
 ORDERS = ("top_k_first", "joint")
 SPLIT_MAX_ROWS = 64           # up to this many rows, each row is split over several blocks
-SPLIT_BLOCKS = 1024           # the blocks a split launch aims at (8 an SM of an H100 / H200)
+SPLIT_BLOCKS = 384            # the blocks a split launch aims at (3 an SM of an H100 / H200)
 
 
 # ---------------------------------------------------------------- checks
@@ -197,12 +197,16 @@ def _splits(R, V, kind, vec):
     return max(1, min(-(-units // K.SPLIT_THREADS), -(-SPLIT_BLOCKS // R)))
 
 
-def _split_steps(spec, k_on, p_on):
+def _split_steps(spec, k_on, p_on, finish):
     """``[(phase, level, which)]``: the split launches of a call (``k_on`` / ``p_on``: some row
-    may filter by top-k / top-p)."""
+    may filter by top-k / top-p). ``finish``: every row takes top-k (a scalar ``k <= CAP``)
+    and samples with top-k first: the first top-k level, then the compaction of its
+    candidates, after which the row kernel finishes the rows (``RowSpec.finish``)."""
     steps = []
     if spec.output == "sample" or p_on:
         steps.append((K.PH_MAX, 0, 0))
+    if finish:
+        return steps + [(K.PH_LEVEL, 0, 0), (K.PH_COMPACT, 0, 0)]
     both = spec.joint and k_on and p_on
     if k_on:
         steps += [(K.PH_LEVEL, lv, 2 if both else 0) for lv in range(K.SPLIT_LEVELS)]
@@ -217,29 +221,39 @@ def _split_steps(spec, k_on, p_on):
     return steps
 
 
-def _launch_split(spec, S, params, steps, xa, stream, key):
-    """The split launches of one call (``params``: the row kernel's, ``cap`` dropped)."""
-    R = xa.shape[0]
+def _launch_split(spec, S, params, steps, finish, xa, stream, key):
+    """The split launches of one call (``params``: the row kernel's up to ``cap``), and with
+    ``finish`` the row kernel's that ends it."""
+    R, V = xa.shape
     like = xa
-    st = W.buffer("sampler_split_state", like, stream, R, (K.NSTATE,), "int64")
+    st = W.param(W.buffer("sampler_split_state", like, stream, R, (K.NSTATE,), "int64"),
+                 "int64", like)
+    cand = W.param(W.buffer("sampler_split_cand", like, stream, R, (CAP,), "int64"), "uint64",
+                   like)
+    count = W.param(W.buffer("sampler_split_count", like, stream, R, (), "int32"), "int32", like)
     stf = W.buffer("sampler_split_fstate", like, stream, R, (K.NFSTATE,), "float64")
     hist = W.buffer("sampler_split_hist", like, stream, R, (2, K.SPLIT_BINS), "int64")
     part = W.buffer("sampler_split_part", like, stream, R * S, (), "int64")
     psum = W.buffer("sampler_split_psum", like, stream, R * S, (), "float64")
     ctr = W.counters(like, stream, R)
-    base = params + [W.param(st, "int64", like), W.param(stf, "float64", like),
-                     W.param(hist, "int64", like), W.param(part, "uint64", like),
-                     W.param(psum, "float64", like), W.param(ctr, "uint32", like), L.i64(S)]
+    base = params + [st, W.param(stf, "float64", like), W.param(hist, "int64", like),
+                     W.param(part, "uint64", like), W.param(psum, "float64", like),
+                     W.param(ctr, "uint32", like), cand, count, L.i64(S)]
     sspec = SplitSpec(spec.kind, spec.source, spec.output)
     forced = L.forced_threads()
     # a power of two (each thread of the selecting block owns SPLIT_BINS / threads bins)
     threads = 1 << (min(forced, 1024).bit_length() - 1) if forced is not None else K.SPLIT_THREADS
     row_twin = dataclasses.replace(spec, layout="vec")
+    n = len(steps) + (1 if finish else 0)
     for i, (phase, level, which) in enumerate(steps):
         L.launch(split_kernel, sspec, R * S, threads,
                  base + [L.i64(phase), L.i64(level), L.i64(which)], like=xa, stream=stream,
-                 key=key, part=(i, len(steps)),
+                 key=key, part=(i, n),
                  warm=lambda: [(row_kernel, row_twin, K.argtypes(row_twin))])
+    if finish:
+        fspec = dataclasses.replace(row_twin, finish=True)
+        L.launch(row_kernel, fspec, R, _threads(V), params + [st, cand, count],
+                 like=xa, stream=stream, key=key, part=(n - 1, n))
 
 
 def _seeds(op, like, seed, offset, generator):
@@ -305,10 +319,14 @@ def _launch_rows(op, spec, xa, ids, y, k, p, t, mp, seed, offset, generator, str
     if S > 1:
         k_on = ka is not None or 0 < kv < V
         p_on = pa is not None or pv < 1.0
-        _launch_split(spec, S, params[:-1], _split_steps(spec, k_on, p_on), xa, stream, key)
+        finish = (spec.output == "sample" and not spec.joint and ka is None
+                  and 0 < kv <= min(V - 1, CAP))
+        _launch_split(spec, S, params, _split_steps(spec, k_on, p_on, finish), finish, xa,
+                      stream, key)
         return
     twin = SplitSpec(spec.kind, spec.source, spec.output)  # what a call of fewer rows launches
     warm = (lambda: [(split_kernel, twin, K.argtypes(twin))]) if vec else None
+    params += [L.absent("int64", 2), L.absent("uint64", 2), L.absent("int32", 1)]
     L.launch(row_kernel, spec, R, _threads(V), params, like=xa, stream=stream, key=key, warm=warm)
 
 
