@@ -1,5 +1,6 @@
-"""The sampler family's kernels: logits penalties (elementwise) and one row kernel for every
-top-k / top-p / min-p filter, renormalisation and seeded sample.
+"""The sampler family's kernels: logits penalties (elementwise), one row kernel for every
+top-k / top-p / min-p filter, renormalisation and seeded sample, and the split kernels that
+spread each of a few rows over many blocks (the block comment "split rows" below).
 
 **Penalties** (``penalty_kernel``): one thread an element, a 2-D grid of (row chunks, rows);
 vLLM's formulas in its order (see ``loomnb.ops.sampler``), every step rounded as vLLM's CUDA
