@@ -45,6 +45,13 @@ ROWS = dict(top_k=np.array([5, 0, 8, 40, 3], np.int32),
             min_p=np.array([0.0, 0.0, 0.05, 0.0, 0.2], np.float32))
 
 
+def sample_rows(x):
+    """(got, want) of the op and its oracle over ``ROWS``' per-row configurations."""
+    return call_both("top_k_top_p_sampling_from_logits", x, ROWS["top_k"], ROWS["top_p"],
+                     temperature=ROWS["temperature"], min_p=ROWS["min_p"], seed=1234,
+                     offset=7)[:2]
+
+
 # The row kernel's paths: V = 40 rows take 16-byte loads, V = 37 element loads; with the
 # default capacity every row is compacted into shared memory at the first level, with 6 at a
 # later one (or never), with -1 the row is read at every level.
@@ -54,9 +61,7 @@ ROWS = dict(top_k=np.array([5, 0, 8, 40, 3], np.int32),
 def test_top_k_top_p_from_logits_per_row_configs(kind, V, cap):
     x = logits(np.random.default_rng(1), 5, V, kind)
     with force_candidates(cap):
-        got, want, _, _ = call_both("top_k_top_p_sampling_from_logits", x, ROWS["top_k"],
-                                    ROWS["top_p"], temperature=ROWS["temperature"],
-                                    min_p=ROWS["min_p"], seed=1234, offset=7)
+        got, want = sample_rows(x)
     assert_bits(got, want, kind)
     assert got[3] == np.argmax(x[3].astype(np.float32)), "temperature 0: the argmax"
 
@@ -186,9 +191,7 @@ def split(n, threads=32):
 def test_split_rows_per_row_configs(kind, V, S):
     x = logits(np.random.default_rng(11), 5, V, kind)
     with split(S):
-        got, want, _, _ = call_both("top_k_top_p_sampling_from_logits", x, ROWS["top_k"],
-                                    ROWS["top_p"], temperature=ROWS["temperature"],
-                                    min_p=ROWS["min_p"], seed=1234, offset=7)
+        got, want = sample_rows(x)
     assert_bits(got, want, kind)
     with split(S):
         got, want, _, _ = call_both("top_k_top_p_sampling_from_logits", x, 6, 0.6,

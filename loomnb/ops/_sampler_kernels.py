@@ -679,6 +679,20 @@ def _last_block(counters, row, S, flag):
 
 
 @device
+def _split_max(best, part, counters, row, S, flag, scr_u):
+    """``(last, the row's largest key)`` over its ``S`` blocks: each block's ``best`` (its block
+    max, in every thread) recorded in ``part``; ``last`` True in the row's last block only."""
+    if cuda.threadIdx.x == 0:
+        part[int64(cuda.blockIdx.x)] = best
+    if not _last_block(counters, row, S, flag):
+        return False, uint64(0)
+    best = uint64(0)
+    for q in range(cuda.threadIdx.x, S, cuda.blockDim.x):
+        best = umax(best, part[row * S + q])
+    return True, block_max_u64(best, scr_u)
+
+
+@device
 def _split_select(hist, st, stf, row, h, level, target, mass, lo, above, res, scr_i, cols):
     """The last block's step of a split level over ``hist[row, h]`` (see the block comment):
     ``cols = (prefix, mask, base, done, count)`` columns of ``st`` (count: the weight at or
@@ -810,15 +824,10 @@ def split_kernel(spec):
             tk, tp, tt, tmp, row, k_val, p_val, t_val, mp_val, V, LOGITS and SAMPLE)
 
         if phase == PH_MAX:
-            best = block_max_u64(max_pass(lr, V, u0, u1, uint64(0), int64(0)), scr_u)
-            if tid == 0:
-                part[b] = best
-            if not _last_block(counters, row, S, flag):
+            last, best = _split_max(block_max_u64(max_pass(lr, V, u0, u1, uint64(0), int64(0)),
+                                                  scr_u), part, counters, row, S, flag, scr_u)
+            if not last:
                 return
-            best = uint64(0)
-            for q in range(tid, S, nt):
-                best = umax(best, part[row * S + q])
-            best = block_max_u64(best, scr_u)
             if tid == 0:
                 st[row, S_XM] = int64(best)
                 if greedy:
@@ -887,16 +896,11 @@ def split_kernel(spec):
             return
         if phase == PH_SAMPLE:
             salt, c2, c3, k0, k1 = _request_key(sd, so, seed_val, off_val, per_row_seed, row)
-            best = block_max_u64(sample_pass(lr, V, u0, u1, uint64(0), (salt, c2, c3, k0, k1, f)),
-                                 scr_u)
-            if tid == 0:
-                part[b] = best
-            if not _last_block(counters, row, S, flag):
+            last, best = _split_max(block_max_u64(sample_pass(lr, V, u0, u1, uint64(0),
+                                                              (salt, c2, c3, k0, k1, f)), scr_u),
+                                    part, counters, row, S, flag, scr_u)
+            if not last:
                 return
-            best = uint64(0)
-            for q in range(tid, S, nt):
-                best = umax(best, part[row * S + q])
-            best = block_max_u64(best, scr_u)
             if tid == 0:
                 ids[row] = int32(key_index(best)) if best > uint64(0) else int32(im)
             return
