@@ -545,6 +545,8 @@ def row_kernel(spec):
                 cnt[0] = gcnt[row]
             cuda.syncthreads()
             n = int64(cnt[0])
+            if n > CAP:  # never after a whole call (level 0 zeroes the count); a guard
+                n = int64(CAP)
             for c in range(tid, n, nt):
                 cand[c] = gcand[row, c]
             cuda.syncthreads()
@@ -873,6 +875,8 @@ def split_kernel(spec):
             if not _last_block(counters, row, S, flag):
                 return
             if do_k:
+                if level == 0 and tid == 0:
+                    gcnt[row] = int32(0)  # the candidates' count starts at 0 in every call
                 _split_select(hist, st, stf, row, 0, level, float64(k), False, uint32(0), mass,
                               res, scr_i, (S_KPRE, S_KMASK, S_KBASE, S_KDONE, S_KCOUNT))
             if do_p:

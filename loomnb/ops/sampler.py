@@ -221,6 +221,16 @@ def _split_steps(spec, k_on, p_on, finish):
     return steps
 
 
+def _row_siblings(spec):
+    """The row kernel of ``spec`` (16-byte rows) and, for a top-k-first sample, its finishing
+    twin: what a call of another size may launch, compiled ahead with this one."""
+    out = [(row_kernel, spec, K.argtypes(spec))]
+    if spec.output == "sample" and not spec.joint:
+        fin = dataclasses.replace(spec, finish=True)
+        out.append((row_kernel, fin, K.argtypes(fin)))
+    return out
+
+
 def _launch_split(spec, S, params, steps, finish, xa, stream, key):
     """The split launches of one call (``params``: the row kernel's up to ``cap``), and with
     ``finish`` the row kernel's that ends it."""
@@ -249,7 +259,7 @@ def _launch_split(spec, S, params, steps, finish, xa, stream, key):
         L.launch(split_kernel, sspec, R * S, threads,
                  base + [L.i64(phase), L.i64(level), L.i64(which)], like=xa, stream=stream,
                  key=key, part=(i, n),
-                 warm=lambda: [(row_kernel, row_twin, K.argtypes(row_twin))])
+                 warm=lambda: _row_siblings(row_twin))
     if finish:
         fspec = dataclasses.replace(row_twin, finish=True)
         L.launch(row_kernel, fspec, R, _threads(V), params + [st, cand, count],
@@ -325,7 +335,8 @@ def _launch_rows(op, spec, xa, ids, y, k, p, t, mp, seed, offset, generator, str
                       stream, key)
         return
     twin = SplitSpec(spec.kind, spec.source, spec.output)  # what a call of fewer rows launches
-    warm = (lambda: [(split_kernel, twin, K.argtypes(twin))]) if vec else None
+    warm = (lambda: [(split_kernel, twin, K.argtypes(twin))]
+            + _row_siblings(dataclasses.replace(spec, layout="vec"))[1:]) if vec else None
     params += [L.absent("int64", 2), L.absent("uint64", 2), L.absent("int32", 1)]
     L.launch(row_kernel, spec, R, _threads(V), params, like=xa, stream=stream, key=key, warm=warm)
 
