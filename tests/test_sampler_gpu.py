@@ -267,6 +267,15 @@ def test_torch_compile_and_streams():
 # the same tokens and masks bit for bit (renormalised probabilities within the renorm budget:
 # the float64 sum is added in another order), at decode batch sizes where the launch rule
 # splits, with random per-row configurations and every filter order.
+def split_and_row(call):
+    """``call()`` with the launch rule's split kernels, then with the row kernel only."""
+    runs = []
+    for split in (None, 0):
+        with force_split(split):
+            runs.append(call())
+    return runs
+
+
 @pytest.mark.parametrize("R, vocab", [(1, V), (3, 49152), (32, 128256), (64, V)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_rows_equal_the_row_kernel(R, vocab, dtype):
@@ -279,40 +288,25 @@ def test_split_rows_equal_the_row_kernel(R, vocab, dtype):
     mp = torch.where(torch.rand(R, generator=g, device="cuda") < 0.3, 0.05, 0.0)
     seed = torch.arange(R, dtype=torch.int64, device="cuda") + 17
     for order in ("top_k_first", "joint"):
-        runs = []
-        for split in (None, 0):
-            with force_split(split):
-                runs.append(loomnb.top_k_top_p_sampling_from_logits(
-                    x, k, p, temperature=t, min_p=mp, filter_apply_order=order, seed=seed,
-                    offset=2))
-        assert torch.equal(runs[0], runs[1]), order
+        a, b = split_and_row(lambda: loomnb.top_k_top_p_sampling_from_logits(
+            x, k, p, temperature=t, min_p=mp, filter_apply_order=order, seed=seed, offset=2))
+        assert torch.equal(a, b), order
     # a scalar top-k: the row kernel finishes from the first level's candidates (k = 50), or
     # from the row when they do not fit (k = 1024: more than 1,024 keys in or above its bin)
     for kk in (50, 1024):
-        runs = []
-        for split in (None, 0):
-            with force_split(split):
-                runs.append(loomnb.top_k_top_p_sampling_from_logits(
-                    x, kk, p, temperature=t, min_p=mp, seed=seed, offset=2))
-        assert torch.equal(runs[0], runs[1]), f"k={kk}"
-    for name, args in (("top_k_mask_logits", (k,)), ("sampling_from_logits", ())):
-        runs = []
-        for split in (None, 0):
-            with force_split(split):
-                kw = {} if name == "top_k_mask_logits" else {"seed": seed}
-                runs.append(getattr(loomnb, name)(x, *args, **kw))
-        assert np.array_equal(bits(host(runs[0])), bits(host(runs[1]))), name
+        a, b = split_and_row(lambda: loomnb.top_k_top_p_sampling_from_logits(
+            x, kk, p, temperature=t, min_p=mp, seed=seed, offset=2))
+        assert torch.equal(a, b), f"k={kk}"
+    a, b = split_and_row(lambda: loomnb.top_k_mask_logits(x, k))
+    assert np.array_equal(bits(host(a)), bits(host(b))), "top_k_mask_logits"
+    a, b = split_and_row(lambda: loomnb.sampling_from_logits(x, seed=seed))
+    assert torch.equal(a, b), "sampling_from_logits"
     if dtype == torch.float32:
         probs = torch.softmax(x, -1)
         for name, args in (("top_k_top_p_sampling_from_probs", (k, p)),
-                           ("min_p_sampling_from_probs", (0.1,)),
-                           ("top_k_renorm_probs", (k,)), ("top_p_renorm_probs", (p,))):
-            runs = []
-            for split in (None, 0):
-                with force_split(split):
-                    kw = {"seed": seed} if "sampling" in name else {}
-                    runs.append(getattr(loomnb, name)(probs, *args, **kw))
-            if "renorm" in name:
-                assert_ulps(host(runs[0]), host(runs[1]), ulps("sampler_renorm", "f32"), name)
-            else:
-                assert torch.equal(runs[0], runs[1]), name
+                           ("min_p_sampling_from_probs", (0.1,))):
+            a, b = split_and_row(lambda: getattr(loomnb, name)(probs, *args, seed=seed))
+            assert torch.equal(a, b), name
+        for name, args in (("top_k_renorm_probs", (k,)), ("top_p_renorm_probs", (p,))):
+            a, b = split_and_row(lambda: getattr(loomnb, name)(probs, *args))
+            assert_ulps(host(a), host(b), ulps("sampler_renorm", "f32"), name)

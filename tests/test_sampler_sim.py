@@ -102,7 +102,8 @@ def test_mask_and_renorm(V, cap):
         assert np.allclose(got.sum(1), 1, atol=1e-6)
 
 
-def test_edge_rows():
+def edge_rows():
+    """``(logits, top_k, top_p)`` of the distribution contract's edge rows (V = 24)."""
     V = 24
     x = np.linspace(2, -2, V, dtype=np.float32)[None].repeat(6, 0)
     x[0, ::3] = np.nan                       # NaN never sampled
@@ -113,6 +114,11 @@ def test_edge_rows():
     x[5, :] = np.nan                         # nothing can be kept
     k = np.array([0, 3, 2, 0, 30, 0], np.int32)   # row 4: top_k > V
     p = np.array([1.0, 0.5, 1.0, 0.0, 0.9, 0.5], np.float32)
+    return x, k, p
+
+
+def test_edge_rows():
+    x, k, p = edge_rows()
     got, want, _, _ = call_both("top_k_top_p_sampling_from_logits", x, k, p, seed=9)
     assert_bits(got, want, "edges")
     assert not np.isnan(x[0, got[0]]) and got[1] == 17 and got[2] in (4, 9, 13)
@@ -204,15 +210,22 @@ def test_split_rows_per_row_configs(kind, V, S):
 # bins hold 5 keys, some fewer), or never compacting (-1).
 @pytest.mark.parametrize("cap", [None, 4, -1])
 @pytest.mark.parametrize("kind", ["f32", "bf16"])
-def test_split_rows_finished_by_the_row_kernel(kind, cap):
+def test_split_rows_finished_by_the_row_kernel(kind, cap, monkeypatch):
     x = logits(np.random.default_rng(13), 5, 40 if kind == "f32" else 48, kind)
+    specs, launch = [], L.launch
+
+    def recording(factory, spec, *args, **kw):  # this call's launches, in order
+        specs.append(spec)
+        return launch(factory, spec, *args, **kw)
+
+    monkeypatch.setattr(L, "launch", recording)
     with split(3), force_candidates(cap):
         got, want, _, _ = call_both("top_k_top_p_sampling_from_logits", x, 4, ROWS["top_p"],
                                     temperature=ROWS["temperature"], min_p=ROWS["min_p"],
                                     seed=np.arange(5, dtype=np.int64), offset=3)
     assert_bits(got, want, kind)
-    launched = {(type(s).__name__, getattr(s, "finish", None)) for _, s, _ in L.launched()}
-    assert ("RowSpec", True) in launched
+    assert [type(s).__name__ for s in specs] == ["SplitSpec"] * 3 + ["RowSpec"], specs
+    assert specs[-1].finish
 
 
 def test_split_rows_from_probs_mask_renorm_and_edges():
@@ -231,16 +244,7 @@ def test_split_rows_from_probs_mask_renorm_and_edges():
         for name, arg in (("top_k_renorm_probs", 5), ("top_p_renorm_probs", 0.7)):
             got, want, _, _ = call_both(name, p, arg)
             assert_ulps(got, want, ulps("sampler_renorm", "f32"), name)
-    V = 24
-    x = np.linspace(2, -2, V, dtype=np.float32)[None].repeat(6, 0)
-    x[0, ::3] = np.nan
-    x[1, :] = -np.inf
-    x[1, 17] = 0.5
-    x[2, [4, 9, 13]] = 5.0
-    x[3, :] = 1.0
-    x[5, :] = np.nan
-    k = np.array([0, 3, 2, 0, 30, 0], np.int32)
-    pp = np.array([1.0, 0.5, 1.0, 0.0, 0.9, 0.5], np.float32)
+    x, k, pp = edge_rows()
     with split(2):
         got, want, _, _ = call_both("top_k_top_p_sampling_from_logits", x, k, pp, seed=9)
     assert_bits(got, want, "edges")

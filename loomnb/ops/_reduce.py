@@ -26,6 +26,8 @@
   ``redux.sync.max.u32``: the high words, then the low words of the keys that hold the top),
   ``group_top2_u64(a, b, width)`` the two largest keys of a group (``width`` known at run
   time), and ``lane_broadcast(v, src)`` lane ``src``'s float32 ``v`` in every lane of the warp.
+* ``last_block(counters, row, S, flag)``: across blocks, True in the last of a row's ``S``
+  blocks to finish (the split counters' ticket), which then folds the blocks' records.
 
 A lane or warp that holds no value takes part with the combine's identity (a sum pads with 0, a
 max with -inf, a min with +inf -- never 0 for a max of negative values). Block sizes must be
@@ -41,7 +43,7 @@ from __future__ import annotations
 import functools
 import math
 
-from numba import cuda, float32, float64, int64, uint32, uint64
+from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
 from .._numba_internals import SIM, device
 from ..layouts.dtypes import bits_f32, f32_bits
@@ -529,3 +531,23 @@ else:
             return dtype(before + inclusive - v), dtype(total)
 
         return scan
+
+
+# ---------------------------------------------------------------- split rows
+@cuda.jit(device=True)  # the thread API: a simulator device function (not ``device``)
+def last_block(counters, row, S, flag):
+    """True in every thread of the last of row ``row``'s ``S`` blocks to get here: the "last
+    block finishes" ticket on the split counters ``counters`` (uint32, each 0 between launches:
+    ``atomicInc`` wraps it back; ``loomnb.ops._workspace``). Each block fences its writes
+    first; the last one fences before it reads theirs. ``flag``: a
+    ``cuda.shared.array(1, int32)``. Every thread of the block must call it."""
+    cuda.threadfence()
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        ticket = cuda.atomic.inc(counters, row, uint32(S - 1))
+        flag[0] = int32(1) if ticket == uint32(S - 1) else int32(0)
+    cuda.syncthreads()
+    last = flag[0] != 0
+    if last:
+        cuda.threadfence()
+    return last

@@ -66,7 +66,7 @@ from ..layouts.dtypes import f32_bits
 from . import _launch as L
 from ._philox import gumbel, philox
 from ._reduce import (REDUCE_SCRATCH, block_max_u64, block_reduce, block_scan,
-                      key_index, key_value, mul_rn, order_key, umax)
+                      key_index, key_value, last_block, mul_rn, order_key, umax)
 from ._vector import CODECS, UNIT_ELEMS, row_loader
 
 KINDS = ("f32", "bf16", "f16")
@@ -665,28 +665,12 @@ def _split_argtypes(spec):
 
 
 @device
-def _last_block(counters, row, S, flag):
-    """True in every thread of the last of row ``row``'s ``S`` blocks to get here (each block
-    fences its writes first; the last one fences before it reads theirs)."""
-    cuda.threadfence()
-    cuda.syncthreads()
-    if cuda.threadIdx.x == 0:
-        ticket = cuda.atomic.inc(counters, row, uint32(S - 1))
-        flag[0] = int32(1) if ticket == uint32(S - 1) else int32(0)
-    cuda.syncthreads()
-    last = flag[0] != 0
-    if last:
-        cuda.threadfence()
-    return last
-
-
-@device
 def _split_max(best, part, counters, row, S, flag, scr_u):
     """``(last, the row's largest key)`` over its ``S`` blocks: each block's ``best`` (its block
     max, in every thread) recorded in ``part``; ``last`` True in the row's last block only."""
     if cuda.threadIdx.x == 0:
         part[int64(cuda.blockIdx.x)] = best
-    if not _last_block(counters, row, S, flag):
+    if not last_block(counters, row, S, flag):
         return False, uint64(0)
     best = uint64(0)
     for q in range(cuda.threadIdx.x, S, cuda.blockDim.x):
@@ -698,9 +682,8 @@ def _split_max(best, part, counters, row, S, flag, scr_u):
 def _split_select(hist, st, stf, row, h, level, target, mass, lo, above, res, scr_i, cols):
     """The last block's step of a split level over ``hist[row, h]`` (see the block comment):
     ``cols = (prefix, mask, base, done, count)`` columns of ``st`` (count: the weight at or
-    above the found bin); ``target`` (top-k: ``k``; top-p:
-    ``top_p``, times the total mass at level 0, kept in ``stf``); ``lo``: the threshold when
-    no key is eligible. Thread ``t`` owns ``SPLIT_BINS / blockDim`` consecutive bins from the
+    above the found bin); ``target`` (top-k: ``k``; top-p: ``top_p``, times the total mass at level 0, kept in ``stf``); ``lo``: the threshold when no
+    key is eligible. Thread ``t`` owns ``SPLIT_BINS / blockDim`` consecutive bins from the
     top: it reads (and zeroes) them at once, one block scan of the threads' sums gives each bin
     the weight above it."""
     tid = cuda.threadIdx.x
@@ -768,7 +751,8 @@ def split_kernel(spec):
     NFSTATE]`` float64, ``hist [R, 2, SPLIT_BINS]`` int64 (zero between launches), ``part [R *
     S]`` uint64 and ``psum [R * S]`` float64 (the chunks' records), the split ``counters``
     (uint32, one a row), the candidates ``gcand [R, CAP]`` uint64 (order keys) and their count
-    ``gcnt [R]`` int32 (zero between launches: the finishing row kernel resets it), then ``S``,
+    ``gcnt [R]`` int32 (zeroed by the first top-k level of every call, and again by the finishing
+    row kernel), then ``S``,
     ``phase``, ``level``, ``which`` (see the block comment)."""
     P = _row_parts(spec.kind, spec.source, "vec")
     UE, load, weight, eligible, derive = P.UE, P.load, P.weight, P.eligible, P.derive
@@ -872,7 +856,7 @@ def split_kernel(spec):
                     cuda.atomic.add(hist, (row, 0, j), int64(cnt[j]))
                 if mass[j] != 0:
                     cuda.atomic.add(hist, (row, 1, j), mass[j])
-            if not _last_block(counters, row, S, flag):
+            if not last_block(counters, row, S, flag):
                 return
             if do_k:
                 if level == 0 and tid == 0:
@@ -912,7 +896,7 @@ def split_kernel(spec):
             s64 = _block_sum_f64(sum_pass(lr, V, u0, u1, float64(0), f), scr_f)
             if tid == 0:
                 psum[b] = s64
-            if not _last_block(counters, row, S, flag):
+            if not last_block(counters, row, S, flag):
                 return
             if tid == 0:
                 s64 = float64(0)

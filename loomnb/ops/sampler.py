@@ -45,8 +45,9 @@ nothing kept answers the argmax (0 when every value is NaN).
 Bytes: a sample reads each row 1 + 4 x (filters) + 1 times (the radix levels; from L2 after the
 first pass when the rows fit), writes 4 bytes a row. Up to ``SPLIT_MAX_ROWS`` (64) rows with
 16-byte-aligned rows, each row is split over several blocks (the split kernels: the same
-thresholds and draws, in 2 + 3 x (filters) launches; one block a row is one SM, bound by its
-issue rate at decode batch sizes); more rows take one block a row, one launch.
+thresholds and draws, in 2 + 3 x (filters) launches, 4 with a scalar top-k; one block a row is
+one SM, bound by its issue rate at decode batch sizes); more rows take one block a row, one
+launch.
 """
 
 from __future__ import annotations
@@ -147,39 +148,31 @@ def _draw_seed(op, like, generator):
     return None, int(np.random.randint(0, 1 << 62))
 
 
-_forced_cap = None
+_forced = {"cap": None, "split": None}  # the test hooks' values (None: the launch rules)
 
 
 @contextlib.contextmanager
+def _force(name, n):
+    old, _forced[name] = _forced[name], n
+    L.clear_launch_cache()
+    try:
+        yield
+    finally:
+        _forced[name] = old
+        L.clear_launch_cache()
+
+
 def force_candidates(n):
     """Test hook: the row kernel compacts at most ``n`` candidates into shared memory (-1: it
     reads the row at every level; None: the kernel's ``CAP``), so tests reach every path of
     the kernel at small vocabularies."""
-    global _forced_cap
-    old, _forced_cap = _forced_cap, n
-    L.clear_launch_cache()
-    try:
-        yield
-    finally:
-        _forced_cap = old
-        L.clear_launch_cache()
+    return _force("cap", n)
 
 
-_forced_split = None
-
-
-@contextlib.contextmanager
 def force_split(n):
     """Test hook: ``n >= 2`` splits every row with 16-byte loads over ``n`` blocks (the split
     kernels), 0 or 1 never splits, None restores the launch rule (:func:`_splits`)."""
-    global _forced_split
-    old, _forced_split = _forced_split, n
-    L.clear_launch_cache()
-    try:
-        yield
-    finally:
-        _forced_split = old
-        L.clear_launch_cache()
+    return _force("split", n)
 
 
 def _splits(R, V, kind, vec):
@@ -189,8 +182,8 @@ def _splits(R, V, kind, vec):
     time is the latency of a thread's chain of elements, so more blocks, each shorter."""
     if not vec:
         return 1
-    if _forced_split is not None:
-        return max(1, _forced_split)
+    if _forced["split"] is not None:
+        return max(1, _forced["split"])
     if R > SPLIT_MAX_ROWS:
         return 1
     units = -(-V // K.UNIT_ELEMS[kind])
@@ -324,7 +317,7 @@ def _launch_rows(op, spec, xa, ids, y, k, p, t, mp, seed, offset, generator, str
               L.array(sa) if sa is not None else L.absent("int64", 1),
               L.array(oa) if oa is not None else L.absent("int64", 1),
               L.i64(kv), L.f32(pv), L.f32(tv), L.f32(mv), L.i64(sv), L.i64(ov),
-              L.i64(per_row_seed), L.i64(V), L.i64(CAP if _forced_cap is None else _forced_cap)]
+              L.i64(per_row_seed), L.i64(V), L.i64(CAP if _forced["cap"] is None else _forced["cap"])]
     S = _splits(R, V, xa.kind, vec)
     if S > 1:
         k_on = ka is not None or 0 < kv < V
