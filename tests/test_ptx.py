@@ -171,7 +171,10 @@ def _sampler_checks(spec, ptx):
         assert "fma.rn.f32" not in ptx and "mul.f32" not in ptx, \
             "products as mul.rn.f32: no FMA in x - f * count, now or by ptxas"
         return
-    assert "atom.shared.add.u64" in ptx, "the radix histograms are 64-bit shared atomics"
+    if type(spec).__name__ in ("RowSpec", "SplitSpec"):
+        assert "atom.shared.add.u32" in ptx, "the radix histograms: 32-bit shared atomics"
+        for op in ("add.u64", "min.s64", "max.s64", "cas.b64"):  # a CAS loop on sm_90
+            assert f"atom.shared.{op}" not in ptx, f"no 64-bit shared atomic ({op}): wide_add"
     if spec.output == "sample":
         assert "mul.wide.u32" in ptx, "Philox's 32x32->64-bit products"
 

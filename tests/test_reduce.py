@@ -2,6 +2,8 @@
 
 * block sum/max/min/argmax and group (sub-warp) reductions, on all-negative values (a max that
   pads with 0 would be wrong), NaNs, ties, and block sizes of one warp to 32 warps;
+* ``wide_add`` / ``wide_get``: 64-bit bins from 32-bit atomics, with weights near 2^32 that
+  carry into the high word many times, against NumPy's int64 sums;
 * the prefix sums (``group_scan`` / ``block_scan``, added for the speculative-verification
   family's compaction): inclusive scans over aligned lane groups of every width, the block's
   exclusive scan and total at one to 32 warps, called twice in a row (the documented barrier
@@ -13,12 +15,12 @@ shuffles, ``shfl.sync.up`` and one barrier): the GPU path is what the simulator 
 
 import numpy as np
 import pytest
-from numba import cuda, float32, float64, int64, uint64
+from numba import cuda, float32, float64, int64, uint32, uint64
 
 from conftest import HAS_GPU, SIM
 from loomnb.ops._reduce import (REDUCE_SCRATCH, block_argmax, block_max, block_max_u64, block_min,
                                 block_scan, block_sum64, fadd, fmax_nan, group_argmax, group_reduce,
-                                group_scan, key_index, order_key)
+                                group_scan, key_index, order_key, wide_add, wide_get)
 
 
 @cuda.jit
@@ -107,6 +109,41 @@ def _check_group(width):
         np.testing.assert_allclose(lanes[:, 0], seg.sum(), rtol=1e-6)
         assert np.all(lanes[:, 1] == np.max(seg))
         assert np.all(lanes[:, 3] == g * width + int(np.argmax(seg)))
+
+
+@cuda.jit
+def _wide_kernel(w, bins, out):
+    words = cuda.shared.array(8, uint32)
+    t = cuda.threadIdx.x
+    if t < 8:
+        words[t] = uint32(0)
+    cuda.syncthreads()
+    wide_add(words, bins[t], w[t])
+    cuda.syncthreads()
+    if t < 4:
+        out[t] = wide_get(words, t)
+
+
+def _check_wide(threads):
+    rng = np.random.default_rng(threads)
+    w = rng.integers(2**32 - 2**20, 2**32 + 1, threads).astype(np.int64)  # up to 2^32 itself
+    w[::7] = rng.integers(0, 4, len(w[::7]))
+    bins = rng.integers(0, 3, threads).astype(np.int32)  # bin 3 stays empty
+    out = _to(np.zeros(4, np.int64))
+    _wide_kernel[1, threads](_to(w), _to(bins), out)
+    want = np.array([w[bins == b].sum() for b in range(4)], np.int64)
+    assert want[:3].max() > 2**33, "the test must carry into the high word"
+    np.testing.assert_array_equal(_back(out), want)
+
+
+@pytest.mark.sim
+def test_wide_bins_sim():
+    _check_wide(64)
+
+
+@pytest.mark.gpu
+def test_wide_bins_gpu():
+    _check_wide(1024)
 
 
 @pytest.mark.sim

@@ -99,8 +99,9 @@ def test_torch_penalties_equal_the_oracle_bit_for_bit():
     assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
 
 
-def test_sampler_state_counts_the_sampled_tokens_and_advances():
-    p = SamplingParams(temperature=1.0, seed=5)
+@pytest.mark.parametrize("penalty", [1.2, 1.0])  # without a penalty nothing is counted
+def test_sampler_state_counts_the_sampled_tokens_and_advances(penalty):
+    p = SamplingParams(temperature=1.0, seed=5, repetition_penalty=penalty)
     st = SamplerState(p, 3, 50, "cpu")
     st.load([[1, 2], [3]])
     assert st.prompt_mask[0, [1, 2]].all() and st.prompt_mask.sum() == 3
@@ -114,7 +115,7 @@ def test_sampler_state_counts_the_sampled_tokens_and_advances():
     want = torch.zeros(3, 50, dtype=torch.int32)
     for ids in (ids0, ids1):
         want[torch.arange(3), ids] += 1
-    assert torch.equal(st.output_counts, want)
+    assert torch.equal(st.output_counts, want if p.penalized else torch.zeros_like(want))
     lf = logits.float()
     want_lp = torch.log_softmax(lf, -1).gather(1, ids1.view(-1, 1)).view(-1)
     torch.testing.assert_close(lp, want_lp, rtol=0, atol=1e-6)

@@ -105,6 +105,25 @@ def test_tokens_equal_the_oracle_at_a_serving_vocabulary(dtype, path):
     assert g[3] == int(np.argmax(xh[3])), "temperature 0 takes the argmax"
 
 
+# The finish path (a scalar top-k, no min-p: two split launches and the finishing row kernel)
+# at the launch rule's blocks a row and at one block a row (its form at many rows).
+@pytest.mark.parametrize("split", [None, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finish_path_equals_the_oracle_at_a_serving_vocabulary(dtype, split):
+    x = model_logits(ROWS, dtype=dtype, seed=4)
+    _, p, t, _ = _config_tensors()
+    seed = torch.arange(7, 7 + ROWS, dtype=torch.int64, device="cuda")
+    with force_split(split):
+        got = loomnb.top_k_top_p_sampling_from_logits(x, 50, p, temperature=t, seed=seed,
+                                                      offset=1)
+    xh = host(x).astype(np.float32)
+    want = O.top_k_top_p_sampling_from_logits(
+        xh, 50, np.array(CONFIG["top_p"], np.float32),
+        temperature=np.array(CONFIG["temperature"], np.float32), seed=host(seed), offset=1)
+    assert np.array_equal(host(got), want), (host(got), want)
+    assert host(got)[3] == int(np.argmax(xh[3])), "temperature 0 takes the argmax"
+
+
 @pytest.mark.parametrize("split", [None, 0])  # 4 rows: split by the rule, or never
 def test_from_probs_masks_and_renorm_at_a_serving_vocabulary(split):
     with force_split(split):
@@ -276,7 +295,8 @@ def split_and_row(call):
     return runs
 
 
-@pytest.mark.parametrize("R, vocab", [(1, V), (3, 49152), (32, 128256), (64, V)])
+@pytest.mark.parametrize("R, vocab", [(1, V), (3, 49152), (32, 128256), (64, V), (300, 49152),
+                                     (512, 49152)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_rows_equal_the_row_kernel(R, vocab, dtype):
     g = torch.Generator(device="cuda").manual_seed(R)
@@ -291,12 +311,14 @@ def test_split_rows_equal_the_row_kernel(R, vocab, dtype):
         a, b = split_and_row(lambda: loomnb.top_k_top_p_sampling_from_logits(
             x, k, p, temperature=t, min_p=mp, filter_apply_order=order, seed=seed, offset=2))
         assert torch.equal(a, b), order
-    # a scalar top-k: the row kernel finishes from the first level's candidates (k = 50), or
-    # from the row when they do not fit (k = 1024: more than 1,024 keys in or above its bin)
-    for kk in (50, 1024):
+    # a scalar top-k: the row kernel finishes from the first level's candidates (k = 50; with
+    # min-p after the max pass, without it from the candidates' largest), or from the row when
+    # they do not fit (k = 1024: more than 1,024 keys in or above its bin); at 300 and 512
+    # rows one or two blocks a row
+    for kk, m in ((50, mp), (50, None), (1024, mp), (1024, None)):
         a, b = split_and_row(lambda: loomnb.top_k_top_p_sampling_from_logits(
-            x, kk, p, temperature=t, min_p=mp, seed=seed, offset=2))
-        assert torch.equal(a, b), f"k={kk}"
+            x, kk, p, temperature=t, min_p=m, seed=seed, offset=2))
+        assert torch.equal(a, b), f"k={kk}, min_p {m is not None}"
     a, b = split_and_row(lambda: loomnb.top_k_mask_logits(x, k))
     assert np.array_equal(bits(host(a)), bits(host(b))), "top_k_mask_logits"
     a, b = split_and_row(lambda: loomnb.sampling_from_logits(x, seed=seed))

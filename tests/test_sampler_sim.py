@@ -207,10 +207,14 @@ def test_split_rows_per_row_configs(kind, V, S):
 
 # A scalar top-k: the first top-k level, its candidates compacted, the row kernel finishing
 # each row from them (cap None), from the row when they do not fit (4: some rows' first-level
-# bins hold 5 keys, some fewer), or never compacting (-1).
+# bins hold 5 keys, some fewer), or never compacting (-1). The max pass runs only for min-p
+# (without it the finisher takes each row's largest, and the greedy row's token, from the
+# candidates); one block a row (S = 1, many rows) runs the same launches. The edge rows take
+# the finish path too: a row of NaN and -inf, or of NaN only, has its largest from the row.
+@pytest.mark.parametrize("S, min_p", [(3, True), (1, False)])
 @pytest.mark.parametrize("cap", [None, 4, -1])
 @pytest.mark.parametrize("kind", ["f32", "bf16"])
-def test_split_rows_finished_by_the_row_kernel(kind, cap, monkeypatch):
+def test_split_rows_finished_by_the_row_kernel(kind, cap, S, min_p, monkeypatch):
     x = logits(np.random.default_rng(13), 5, 40 if kind == "f32" else 48, kind)
     specs, launch = [], L.launch
 
@@ -219,13 +223,24 @@ def test_split_rows_finished_by_the_row_kernel(kind, cap, monkeypatch):
         return launch(factory, spec, *args, **kw)
 
     monkeypatch.setattr(L, "launch", recording)
-    with split(3), force_candidates(cap):
+    with split(S), force_candidates(cap):
         got, want, _, _ = call_both("top_k_top_p_sampling_from_logits", x, 4, ROWS["top_p"],
-                                    temperature=ROWS["temperature"], min_p=ROWS["min_p"],
+                                    temperature=ROWS["temperature"],
+                                    min_p=ROWS["min_p"] if min_p else None,
                                     seed=np.arange(5, dtype=np.int64), offset=3)
     assert_bits(got, want, kind)
-    assert [type(s).__name__ for s in specs] == ["SplitSpec"] * 3 + ["RowSpec"], specs
+    assert [type(s).__name__ for s in specs] == ["SplitSpec"] * (2 + min_p) + ["RowSpec"], specs
     assert specs[-1].finish
+    if kind == "f32" and cap is None:
+        x, _, pp = edge_rows()
+        t = np.array([1.0, 0.0, 1.0, 0.7, 0.0, 0.0], np.float32)  # greedy rows among them
+        x[4, :3] = [np.nan, -np.inf, -np.inf]
+        x[4, 3:] = -np.inf  # greedy over NaN and -inf: the lowest index (NaN as -inf)
+        with split(S):
+            got, want, _, _ = call_both("top_k_top_p_sampling_from_logits", x, 2, pp,
+                                        temperature=t, seed=9)
+        assert_bits(got, want, "edges")
+        assert got[1] == 17 and got[2] in (4, 9, 13) and got[4] == 0 and got[5] == 0
 
 
 def test_split_rows_from_probs_mask_renorm_and_edges():

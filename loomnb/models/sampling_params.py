@@ -7,13 +7,14 @@ default parameters are the plain greedy loop, which keeps its own path
 (``greedy_sample_logprob``); any other parameters sample through :class:`SamplerState`. One step
 of a sampled decode, on the device, with no host synchronisation (CUDA-graph capturable)::
 
-    x = float32(logits)                                   (a copy; the raw logits stay)
-    apply_penalties_(x, prompt_mask, output_counts, repetition, frequency, presence)
-                                                          (only when a penalty is set)
+    x = float32(logits)                                   (a copy, only when a penalty is
+    apply_penalties_(x, prompt_mask, output_counts,        set; else x = logits, read in the
+                     repetition, frequency, presence)      model's dtype: the same values)
     ids = top_k_top_p_sampling_from_logits(x, top_k, top_p, temperature=T, min_p=min_p,
                                            seed=seeds, offset=offset)
     logprob, rank = selected_token_logprob_rank(logits, ids)   (vLLM's "raw_logprobs")
-    output_counts[row, ids[row]] += 1;  offset += 1       (advance(), once per step)
+    output_counts[row, ids[row]] += 1                     (only when a penalty is set)
+    offset += 1                                           (advance(), once per step)
 
 vLLM's order: penalties, then temperature, then min-p / top-k / top-p (the sampler op's
 ``filter_apply_order="top_k_first"``), then the draw; a row whose temperature is below 1e-5
@@ -114,7 +115,8 @@ class SamplerState:
     int32 ``[rows, V]`` (each token's count in the row's output so far), ``seeds`` int64
     ``[rows]``, ``offset`` int64 ``[1]`` (the step's Philox offset), on ``device``. Rows past
     the prompts given to :meth:`load` are padding (nothing seen, seed 0). :meth:`sample` reads
-    them and updates ``output_counts``; :meth:`advance` moves ``offset`` on. Both are device
+    them and, when a penalty is set (the counts serve nothing else), updates
+    ``output_counts``; :meth:`advance` moves ``offset`` on. Both are device
     work only, so a CUDA graph of a decode step may hold them (save :meth:`mutable` around a
     warm-up)."""
 
@@ -159,19 +161,22 @@ class SamplerState:
         of the state, default the first ``n``) through ``ops`` (a backend of
         :mod:`loomnb.models.backends`). Returns ``(token_ids int64 [n], logprob fp32 [n],
         rank int64 [n])``, the logprob and rank of the sampled token under the raw logits.
-        Mutates ``output_counts`` of those rows (the token counted), not ``logits``."""
+        With a penalty, mutates ``output_counts`` of those rows (the token counted); never
+        ``logits``."""
         n = logits.shape[0]
         rows = slice(0, n) if rows is None else rows
         p = self.params
-        x = logits.to(torch.float32, copy=True)
-        counts = self.output_counts[rows]
+        x = logits
         if p.penalized:
+            x = logits.to(torch.float32, copy=True)
+            counts = self.output_counts[rows]
             rep, freq, pres = (t[rows] for t in self._penalties)
             ops.apply_penalties_(x, self.prompt_mask[rows], counts, rep, freq, pres)
         ids = ops.top_k_top_p_sampling_from_logits(x, p.top_k, p.top_p, p.temperature,
                                                    p.min_p, self.seeds[rows], self.offset)
         ids = ids.to(torch.long)
-        counts.scatter_add_(1, ids.view(-1, 1), self._one[rows])
+        if p.penalized:
+            counts.scatter_add_(1, ids.view(-1, 1), self._one[rows])
         lp, rank = ops.selected_token_logprob_rank(logits, ids)
         return ids, lp, rank
 

@@ -28,6 +28,9 @@
   time), and ``lane_broadcast(v, src)`` lane ``src``'s float32 ``v`` in every lane of the warp.
 * ``last_block(counters, row, S, flag)``: across blocks, True in the last of a row's ``S``
   blocks to finish (the split counters' ticket), which then folds the blocks' records.
+* ``wide_add(words, i, w)`` / ``wide_get(words, i)``: a histogram of exact 64-bit bins kept
+  as pairs of uint32 words and added to with 32-bit atomics (a 64-bit shared-memory atomic add
+  is a compare-and-swap loop on sm_90, a 32-bit one a single instruction).
 
 A lane or warp that holds no value takes part with the combine's identity (a sum pads with 0, a
 max with -inf, a min with +inf -- never 0 for a max of negative values). Block sizes must be
@@ -42,6 +45,8 @@ from __future__ import annotations
 
 import functools
 import math
+
+import numpy as np
 
 from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
@@ -551,3 +556,35 @@ def last_block(counters, row, S, flag):
     if last:
         cuda.threadfence()
     return last
+
+
+if SIM:
+    @cuda.jit(device=True)
+    def _add_u32(words, j, v):
+        with np.errstate(over="ignore"):  # the simulator adds NumPy scalars: a wrap warns
+            return cuda.atomic.add(words, j, v)
+else:
+    @cuda.jit(device=True)
+    def _add_u32(words, j, v):
+        return cuda.atomic.add(words, j, v)
+
+
+@cuda.jit(device=True)  # the thread API: a simulator device function (not ``device``)
+def wide_add(words, i, w):
+    """Adds ``w`` (int64, ``0 <= w < 2^63``) to bin ``i`` of ``words`` (uint32 ``[2 n]``; bin
+    ``i`` is ``words[2 i] + 2^32 words[2 i + 1]``) with 32-bit atomics: the add to the low word
+    returns its old value, and the add that wraps it carries 1 into the high word, so the bin is
+    exact whatever order the adds come in."""
+    lo = uint32(w & 0xFFFFFFFF)
+    hi = uint32(w >> 32)
+    old = uint32(_add_u32(words, 2 * i, lo))
+    if lo > uint32(0xFFFFFFFF) - old:  # the add wrapped the low word
+        hi = uint32(hi + uint32(1))
+    if hi != uint32(0):
+        cuda.atomic.add(words, 2 * i + 1, hi)
+
+
+@cuda.jit(device=True)
+def wide_get(words, i):
+    """Bin ``i`` of a :func:`wide_add` histogram, as int64."""
+    return int64(words[2 * i]) | (int64(words[2 * i + 1]) << int64(32))

@@ -17,9 +17,12 @@ radix select: four levels of 8-bit digits, most significant first; at each level
 histograms the digit of the elements whose higher digits equal the prefix found so far, and a
 block scan from the top bin finds the bin where the running total first reaches the target.
 The histogram has 16 copies of the 256 bins in shared memory, lane ``l`` of every warp adding to
-copy ``l % 16`` (a copy's stride of 257 entries puts one bin of different copies in different
+copy ``l % 16`` (a copy's stride of 257 bins puts one bin of different copies in different
 banks), so the lanes of a warp that hit the same bin -- most of them at the first level, where
 a row's values share a few exponents -- add to different words; the copies are summed after.
+A bin is exact 64-bit, kept as two uint32 words added to with 32-bit atomics and a carry
+(``_reduce.wide_add``): a 64-bit shared-memory atomic add is a compare-and-swap loop on sm_90,
+which under the first level's contention made the row kernel 1.6x slower.
 
 * top-k: the weight is 1 and the target ``k``: the threshold is the ``k``-th largest key, and
   every element with that key is kept (ties at the boundary too).
@@ -66,7 +69,8 @@ from ..layouts.dtypes import f32_bits
 from . import _launch as L
 from ._philox import gumbel, philox
 from ._reduce import (REDUCE_SCRATCH, block_max_u64, block_reduce, block_scan,
-                      key_index, key_value, last_block, mul_rn, order_key, umax)
+                      key_index, key_value, last_block, mul_rn, order_key, umax, wide_add,
+                      wide_get)
 from ._vector import CODECS, UNIT_ELEMS, row_loader
 
 KINDS = ("f32", "bf16", "f16")
@@ -75,8 +79,9 @@ OUTPUTS = ("sample", "mask", "renorm")
 BINS = 256          # radix digit: 8 bits
 LEVELS = 4          # 32-bit keys
 COPIES = 16         # histogram copies: lane l adds to copy l % COPIES
-STRIDE = BINS + 1   # a copy's stride (int64 entries): copies of one bin fall in different banks
-HIST = COPIES * STRIDE
+STRIDE = BINS + 1   # a copy's stride (bins of two words): copies of a bin in different banks
+HIST = COPIES * STRIDE  # bins
+HIST_WORDS = 2 * HIST   # uint32 words: two a bin (``wide_add``)
 MASS_SCALE = 4294967296.0   # 2^32: the fixed point of a token's mass
 SAMPLING_EPS = 1e-5         # vLLM's _SAMPLING_EPS: a lower temperature is greedy
 NO_BIN = 1 << 20
@@ -261,6 +266,7 @@ def _row_parts(kind, source, layout):
     of the passes, as a namespace."""
     UE, load = _unit_loader(kind, layout)
     LOGITS = source == "logits"
+    WHOLE = layout == "vec"  # rows of whole 16-byte units: no element past V in a unit
     NEG_INF = float32(-math.inf)
     enc = CODECS[kind].encode
 
@@ -313,21 +319,38 @@ def _row_parts(kind, source, layout):
             if mass:
                 w = int64(weight(v, f[1], f[2], f[3], f[4]) * float32(MASS_SCALE))
             if w > 0:
-                cuda.atomic.add(hist, copy * STRIDE + int32((key >> shift) & uint32(255)), w)
+                wide_add(hist, copy * STRIDE + int32((key >> shift) & uint32(255)), w)
 
     # ---- unit visitors
     @device
     def v_max(a, i0, V, best, ctx):
+        """``best = (value, index)``: the largest value above -inf, the lowest index first
+        (index -1: none yet); NaN never replaces it. See :func:`max_key`."""
+        bv, bi = best
         for j in range(UE):
-            if i0 + j < V:
+            if WHOLE or i0 + j < V:
                 v = a[j]
-                best = umax(best, order_key(v if v == v else NEG_INF, i0 + j))
-        return best
+                if v > bv:
+                    bv = v
+                    bi = i0 + j
+        return bv, bi
+
+    @device
+    def max_key(best, u_first, nu):
+        """The order key of a thread's :func:`v_max` result ``best``, whose first unit was
+        ``u_first`` (of ``nu``): ``order_key(value, index)`` -- as the largest key over the
+        thread's elements with NaN as -inf -- or, when every element was -inf or NaN, that of
+        -inf at its first element (the lowest index), 0 when it had none."""
+        if best[1] >= 0:
+            return order_key(best[0], best[1])
+        if u_first < nu:
+            return order_key(NEG_INF, u_first * UE)
+        return uint64(0)
 
     @device
     def v_hist(a, i0, V, st, ctx):
         for j in range(UE):
-            if i0 + j < V:
+            if WHOLE or i0 + j < V:
                 hist_one(a[j], ctx[0], ctx[1], ctx[2], ctx[3], ctx[4], ctx[5], ctx[6])
         return st
 
@@ -335,7 +358,7 @@ def _row_parts(kind, source, layout):
     def v_compact(a, i0, V, st, ctx):
         cand, cnt, floor, f = ctx
         for j in range(UE):
-            if i0 + j < V:
+            if WHOLE or i0 + j < V:
                 v = a[j]
                 key = fkey(v)
                 if key >= floor and eligible(v, key, f):
@@ -352,7 +375,7 @@ def _row_parts(kind, source, layout):
             drawn = False
             for jj in range(4):
                 j = 4 * q + jj
-                if i0 + j < V:
+                if WHOLE or i0 + j < V:
                     v = a[j]
                     if eligible(v, fkey(v), f):
                         if not drawn:
@@ -366,7 +389,7 @@ def _row_parts(kind, source, layout):
     def v_mask(a, i0, V, st, ctx):
         yr, lo = ctx
         for j in range(UE):
-            if i0 + j < V:
+            if WHOLE or i0 + j < V:
                 v = a[j]
                 yr[i0 + j] = enc(v) if (v == v and fkey(v) >= lo) else enc(NEG_INF)
         return st
@@ -374,7 +397,7 @@ def _row_parts(kind, source, layout):
     @device
     def v_sum(a, i0, V, s, f):
         for j in range(UE):
-            if i0 + j < V:
+            if WHOLE or i0 + j < V:
                 v = a[j]
                 if eligible(v, fkey(v), f):
                     s += float64(v)
@@ -384,7 +407,7 @@ def _row_parts(kind, source, layout):
     def v_renorm(a, i0, V, st, ctx):
         yr, s32, f = ctx
         for j in range(UE):
-            if i0 + j < V:
+            if WHOLE or i0 + j < V:
                 v = a[j]
                 yr[i0 + j] = float32(v / s32) if eligible(v, fkey(v), f) else float32(0)
         return st
@@ -392,7 +415,7 @@ def _row_parts(kind, source, layout):
     return types.SimpleNamespace(
         UE=UE, load=load, weight=weight, eligible=eligible, derive=derive, score=score,
         hist_one=hist_one,
-        v_max=v_max, v_hist=v_hist, v_compact=v_compact, v_sample=v_sample, v_mask=v_mask,
+        v_max=v_max, max_key=max_key, v_hist=v_hist, v_compact=v_compact, v_sample=v_sample, v_mask=v_mask,
         v_sum=v_sum, v_renorm=v_renorm)
 
 
@@ -408,6 +431,7 @@ def row_kernel(spec):
     UE, load, weight, eligible, score = P.UE, P.load, P.weight, P.eligible, P.score
     derive = P.derive
     hist_one, v_max, v_hist, v_compact = P.hist_one, P.v_max, P.v_hist, P.v_compact
+    max_key = P.max_key
     v_sample, v_mask, v_sum, v_renorm = P.v_sample, P.v_mask, P.v_sum, P.v_renorm
     LOGITS = spec.source == "logits"
     SAMPLE, MASK, RENORM = (spec.output == o for o in OUTPUTS)
@@ -443,11 +467,11 @@ def row_kernel(spec):
         for level in range(LEVELS):
             shift = uint32(24 - 8 * level)
             r0 = 2 * (level & 1)  # two result slots a level, alternating: no barrier to reuse
-            for b in range(tid, HIST, nt):
-                hist[b] = int64(0)
+            for b in range(tid, HIST_WORDS, nt):
+                hist[b] = uint32(0)
             if tid == 0:
-                res[r0] = int64(NO_BIN)
-                res[r0 + 1] = int64(-1)
+                res[r0] = int32(NO_BIN)
+                res[r0 + 1] = int32(-1)
             cuda.syncthreads()
             if n >= 0:
                 for c in range(tid, n, nt):
@@ -462,7 +486,7 @@ def row_kernel(spec):
                 c = int64(0)
                 if j < BINS:
                     for k in range(COPIES):
-                        c += hist[k * STRIDE + BINS - 1 - j]
+                        c += wide_get(hist, k * STRIDE + BINS - 1 - j)
                     tot[j] = c
                 before, total = _block_scan_i64(c, scr_i)
                 if j < BINS:
@@ -476,12 +500,12 @@ def row_kernel(spec):
                 c = tot[j]
                 if c > 0:
                     if float64(above[j] + c) >= target:
-                        cuda.atomic.min(res, r0, int64(j))
-                    cuda.atomic.max(res, r0 + 1, int64(j))
+                        cuda.atomic.min(res, r0, int32(j))
+                    cuda.atomic.max(res, r0 + 1, int32(j))
             cuda.syncthreads()
-            found = res[r0]
+            found = int64(res[r0])
             if found == NO_BIN:
-                found = res[r0 + 1]
+                found = int64(res[r0 + 1])
                 if found < 0:
                     return f[0], n  # no eligible element under this prefix
             base = above[found]
@@ -502,10 +526,11 @@ def row_kernel(spec):
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
         lr = x[row]
-        hist = cuda.shared.array(HIST, int64)
+        nu = (V + UE - 1) // UE
+        hist = cuda.shared.array(HIST_WORDS, uint32)
         tot = cuda.shared.array(BINS, int64)
         above = cuda.shared.array(BINS, int64)
-        res = cuda.shared.array(4, int64)
+        res = cuda.shared.array(4, int32)
         cand = cuda.shared.array(CAP, uint64)
         cnt = cuda.shared.array(1, int32)
         scr_u = cuda.shared.array(REDUCE_SCRATCH, uint64)
@@ -518,15 +543,41 @@ def row_kernel(spec):
 
         xm = NEG_INF
         im = int64(0)
-        if FINISH:  # after the split kernels' PH_MAX, PH_LEVEL 0 (top-k) and PH_COMPACT
-            if greedy:
-                return  # its token is written
-            if use_mp or use_p:
-                best = uint64(st[row, S_XM])
+        lo = uint32(0)
+        n = int64(-1)  # the candidates in shared memory (-1: none, the row is read)
+        if FINISH:  # after the split kernels' PH_LEVEL 0 (top-k, every row) and PH_COMPACT
+            if use_k and st[row, S_KCOUNT] <= cap:
+                # every eligible key in or above top-k's first-level bin, compacted by the split
+                # kernels: the row kernel's candidates
+                if tid == 0:
+                    cnt[0] = gcnt[row]
+                cuda.syncthreads()
+                n = int64(cnt[0])
+                if n > CAP:  # never after a whole call (level 0 zeroes the count); a guard
+                    n = int64(CAP)
+                for c in range(tid, n, nt):
+                    cand[c] = gcand[row, c]
+                cuda.syncthreads()
+                if tid == 0:
+                    gcnt[row] = int32(0)
+            if greedy or use_mp or use_p:
+                # the row's largest is a candidate (the top bin is at or above top-k's); a row
+                # whose largest is -inf, or without candidates, takes the max pass (NaN counts
+                # as -inf there, as in the row kernel)
+                best = uint64(0)
+                for c in range(tid, n, nt):
+                    best = umax(best, cand[c])
+                best = block_max_u64(best, scr_u)
+                cuda.syncthreads()
+                if best == uint64(0) or key_value(best) == NEG_INF:
+                    best = block_max_u64(max_key(max_pass(lr, V, (NEG_INF, int64(-1)), int64(0)),
+                                          int64(tid), nu), scr_u)
+                    cuda.syncthreads()
                 xm = key_value(best)
                 im = key_index(best)
         elif greedy or use_mp or use_p:
-            best = block_max_u64(max_pass(lr, V, uint64(0), int64(0)), scr_u)
+            best = block_max_u64(max_key(max_pass(lr, V, (NEG_INF, int64(-1)), int64(0)),
+                                          int64(tid), nu), scr_u)
             cuda.syncthreads()
             xm = key_value(best)
             im = key_index(best)
@@ -536,22 +587,6 @@ def row_kernel(spec):
             return
         sm, inv, thr = derive(xm, t, mpv, use_mp)
 
-        lo = uint32(0)
-        n = int64(-1)  # the candidates in shared memory (-1: none, the row is read)
-        if FINISH and use_k and st[row, S_KCOUNT] <= cap:
-            # every eligible key in or above top-k's first-level bin, compacted by the split
-            # kernels: the row kernel's candidates
-            if tid == 0:
-                cnt[0] = gcnt[row]
-            cuda.syncthreads()
-            n = int64(cnt[0])
-            if n > CAP:  # never after a whole call (level 0 zeroes the count); a guard
-                n = int64(CAP)
-            for c in range(tid, n, nt):
-                cand[c] = gcand[row, c]
-            cuda.syncthreads()
-            if tid == 0:
-                gcnt[row] = int32(0)
         if use_k:
             lo, n = select(lr, V, False, float32(k), (lo, xm, sm, t, inv, use_mp, thr), n,
                            cap, sh)
@@ -604,8 +639,8 @@ def row_kernel(spec):
 # ---------------------------------------------------------------- split rows
 # A few rows (decode batches) give the row kernel a few blocks: one SM a row, bound by its
 # issue rate, not by the bytes. The split kernels spread each row over ``S`` blocks (``grid =
-# R * S``; block ``b`` works on chunk ``b % S`` of row ``b // S``) and run the same steps as
-# launches of one kernel, by ``phase``:
+# R * S``; block ``b`` works on chunk ``b % S`` of row ``b // S``; ``S = 1`` for many rows on
+# the finish path below) and run the same steps as launches of one kernel, by ``phase``:
 #
 # * ``PH_MAX``: the largest key of each chunk; the row's last block to finish (a ticket on the
 #   stream's split counters, ``loomnb.ops._workspace``) folds them into ``st[r, S_XM]`` and
@@ -614,9 +649,10 @@ def row_kernel(spec):
 #   bits (``SPLIT_BINS`` bins; a block histograms its chunk in shared memory and adds the
 #   non-empty bins to the row's global histogram ``hist[r, h]``); the last block scans it from
 #   the top exactly as the row kernel's ``select`` does, keeps the prefix, the weight above it
-#   and "done" in ``st``, and zeroes the histogram. ``which``: 0 top-k (``h = 0``, counts), 1
-#   top-p (``h = 1``, fixed-point mass, over keys ``>=`` the top-k threshold when the row has
-#   one: top-k first), 2 both at once over the whole row ("joint"). The thresholds are the row
+#   and "done" in ``st``, and zeroes the histogram. ``which``: ``W_TOPK`` (``h = 0``, counts),
+#   ``W_TOPP`` (``h = 1``, fixed-point mass, over keys ``>=`` the top-k threshold when the row
+#   has one: top-k first), ``W_JOINT`` both at once over the whole row ("joint"), ``W_FINISH``
+#   top-k on the finish path (every row, greedy ones too). The thresholds are the row
 #   kernel's: each is the key where a running total over the eligible keys, from the top, first
 #   reaches its target, which does not depend on how the key's bits are cut into digits.
 # * ``PH_SAMPLE``: the Gumbel-max of each chunk over the kept tokens, folded by the last block
@@ -626,9 +662,10 @@ def row_kernel(spec):
 # * ``PH_COMPACT``: a top-k-first sample whose every row takes top-k (a scalar ``k <= CAP``)
 #   stops after the first top-k level: the blocks copy every eligible key in or above its bin
 #   (``st[r, S_KCOUNT]`` of them, when at most ``cap``) into ``gcand[r]``, and the row kernel
-#   (``RowSpec.finish``) finishes each row from those candidates in one block -- the rest of
-#   top-k, top-p over the top-k set and the sample, 4 launches instead of 8 -- or, when they
-#   did not fit, from the row.
+#   (``RowSpec.finish``) finishes each row from those candidates in one block -- the row's
+#   largest (a candidate: no PH_MAX unless min-p needs it for the candidates), the greedy
+#   token, the rest of top-k, top-p over the top-k set and the sample: 3 launches instead of
+#   8, the row read twice -- or, when they did not fit, from the row.
 #
 # Every counter a launch uses returns to 0 (``atomicInc`` wraps), and every histogram is zeroed
 # by the block that read it, so the workspaces are ready for the next call (graph replays too).
@@ -636,7 +673,9 @@ SPLIT_BINS = 2048           # 11-bit digits (the last level's 10 bits use half t
 SPLIT_LEVELS = 3            # 11 + 11 + 10 = 32 bits
 SPLIT_LOADS = 1             # units a thread loads at once (registers: blocks an SM holds)
 SPLIT_THREADS = 256         # a power of two: SPLIT_BINS is a multiple of it
+SPLIT_WORDS = 2 * SPLIT_BINS  # a block's mass bins, two uint32 words each (``wide_add``)
 PH_MAX, PH_LEVEL, PH_SAMPLE, PH_SUM, PH_WRITE, PH_COMPACT = range(6)
+W_TOPK, W_TOPP, W_JOINT, W_FINISH = range(4)  # ``which``: the filter a PH_LEVEL launch selects
 (S_XM, S_KPRE, S_KMASK, S_KBASE, S_KDONE, S_KCOUNT, S_PPRE, S_PMASK, S_PBASE, S_PDONE,
  S_PCOUNT) = range(11)
 NSTATE = 11                 # int64 state a row
@@ -698,8 +737,8 @@ def _split_select(hist, st, stf, row, h, level, target, mass, lo, above, res, sc
         pmask = uint32(st[row, c_mask])
         base = st[row, c_base]
     if tid == 0:
-        res[0] = int64(NO_BIN)
-        res[1] = int64(-1)
+        res[0] = int32(NO_BIN)
+        res[1] = int32(-1)
     j0 = tid * bpt  # j = 0 is the top bin, SPLIT_BINS - 1
     mine = int64(0)
     for q in range(bpt):
@@ -724,13 +763,13 @@ def _split_select(hist, st, stf, row, h, level, target, mass, lo, above, res, sc
         above[j] = run
         if c > 0:
             if float64(run + c) >= t:
-                cuda.atomic.min(res, 0, int64(j))
-            cuda.atomic.max(res, 1, int64(j))
+                cuda.atomic.min(res, 0, int32(j))
+            cuda.atomic.max(res, 1, int32(j))
         run += c
     cuda.syncthreads()
-    found = res[0]
+    found = int64(res[0])
     if found == NO_BIN:
-        found = res[1]
+        found = int64(res[1])
     if tid == 0:
         if found < 0:  # no eligible key under the prefix (level 0: none at all)
             st[row, c_pre] = int64(lo)
@@ -756,6 +795,7 @@ def split_kernel(spec):
     ``phase``, ``level``, ``which`` (see the block comment)."""
     P = _row_parts(spec.kind, spec.source, "vec")
     UE, load, weight, eligible, derive = P.UE, P.load, P.weight, P.eligible, P.derive
+    max_key = P.max_key
     LOGITS = spec.source == "logits"
     SAMPLE = spec.output == "sample"
     RENORM = spec.output == "renorm"
@@ -764,17 +804,16 @@ def split_kernel(spec):
     @device
     def v_level(a, i0, V, st, ctx):
         cnt, mass, do_k, kpre, kmask, do_p, ppre, pmask, shift, fk, fp = ctx
-        for j in range(UE):
-            if i0 + j < V:
-                v = a[j]
-                key = fkey(v)
-                b = int32((key >> shift) & uint32(SPLIT_BINS - 1))
-                if do_k and (key & kmask) == kpre and eligible(v, key, fk):
-                    cuda.atomic.add(cnt, b, int32(1))
-                if do_p and (key & pmask) == ppre and eligible(v, key, fp):
-                    w = int64(weight(v, fp[1], fp[2], fp[3], fp[4]) * float32(MASS_SCALE))
-                    if w > 0:
-                        cuda.atomic.add(mass, b, w)
+        for j in range(UE):  # rows of whole units (16-byte loads only): no bound check
+            v = a[j]
+            key = fkey(v)
+            b = int32((key >> shift) & uint32(SPLIT_BINS - 1))
+            if do_k and (key & kmask) == kpre and eligible(v, key, fk):
+                cuda.atomic.add(cnt, b, int32(1))
+            if do_p and (key & pmask) == ppre and eligible(v, key, fp):
+                w = int64(weight(v, fp[1], fp[2], fp[3], fp[4]) * float32(MASS_SCALE))
+                if w > 0:
+                    wide_add(mass, b, w)
         return st
 
     max_pass = _chunk_pass(UE, load, P.v_max, SPLIT_LOADS)
@@ -793,8 +832,9 @@ def split_kernel(spec):
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
         cnt = cuda.shared.array(SPLIT_BINS, int32)
-        mass = cuda.shared.array(SPLIT_BINS, int64)  # the last block's "above" after the flush
-        res = cuda.shared.array(2, int64)
+        mass = cuda.shared.array(SPLIT_WORDS, uint32)  # wide_add bins
+        above = cuda.shared.array(SPLIT_BINS, int64)  # the last block's select
+        res = cuda.shared.array(2, int32)
         flag = cuda.shared.array(1, int32)
         scr_u = cuda.shared.array(REDUCE_SCRATCH, uint64)
         scr_i = cuda.shared.array(REDUCE_SCRATCH, int64)
@@ -810,8 +850,10 @@ def split_kernel(spec):
             tk, tp, tt, tmp, row, k_val, p_val, t_val, mp_val, V, LOGITS and SAMPLE)
 
         if phase == PH_MAX:
-            last, best = _split_max(block_max_u64(max_pass(lr, V, u0, u1, uint64(0), int64(0)),
-                                                  scr_u), part, counters, row, S, flag, scr_u)
+            mine = max_key(max_pass(lr, V, u0, u1, (NEG_INF, int64(-1)), int64(0)),
+                           u0 + tid, u1)
+            last, best = _split_max(block_max_u64(mine, scr_u), part, counters, row, S, flag,
+                                    scr_u)
             if not last:
                 return
             if tid == 0:
@@ -819,19 +861,21 @@ def split_kernel(spec):
                 if greedy:
                     ids[row] = int32(key_index(best))
             return
-        if greedy:
+        fin = which == W_FINISH  # PH_LEVEL 0 and PH_COMPACT of the finish path: every row
+        if greedy and not fin:
             return  # its token is written
         xm = NEG_INF
         im = int64(0)
-        if use_mp or use_p:
+        if use_mp or (use_p and not fin):  # the finisher finds the largest itself
             best = uint64(st[row, S_XM])
             xm = key_value(best)
             im = key_index(best)
         sm, inv, thr = derive(xm, t, mpv, use_mp)
 
         if phase == PH_LEVEL:
-            do_k = use_k and which != 1 and (level == 0 or st[row, S_KDONE] == 0)
-            do_p = use_p and which != 0 and (level == 0 or st[row, S_PDONE] == 0)
+            do_k = use_k and which != W_TOPP and (level == 0 or st[row, S_KDONE] == 0)
+            do_p = (use_p and (which == W_TOPP or which == W_JOINT)
+                    and (level == 0 or st[row, S_PDONE] == 0))
             if not (do_k or do_p):
                 return
             shift = uint32(21 - 11 * level) if level < 2 else uint32(0)
@@ -841,12 +885,13 @@ def split_kernel(spec):
                 kmask = uint32(st[row, S_KMASK])
                 ppre = uint32(st[row, S_PPRE])
                 pmask = uint32(st[row, S_PMASK])
-            lo_p = uint32(st[row, S_KPRE]) if (which == 1 and use_k) else uint32(0)
+            lo_p = uint32(st[row, S_KPRE]) if (which == W_TOPP and use_k) else uint32(0)
             fk = (uint32(0), xm, sm, t, inv, use_mp, thr)
             fp = (lo_p, xm, sm, t, inv, use_mp, thr)
             for j in range(tid, SPLIT_BINS, nt):
                 cnt[j] = int32(0)
-                mass[j] = int64(0)
+                mass[2 * j] = uint32(0)
+                mass[2 * j + 1] = uint32(0)
             cuda.syncthreads()
             level_pass(lr, V, u0, u1, int64(0),
                        (cnt, mass, do_k, kpre, kmask, do_p, ppre, pmask, shift, fk, fp))
@@ -854,17 +899,18 @@ def split_kernel(spec):
             for j in range(tid, SPLIT_BINS, nt):
                 if cnt[j] != 0:
                     cuda.atomic.add(hist, (row, 0, j), int64(cnt[j]))
-                if mass[j] != 0:
-                    cuda.atomic.add(hist, (row, 1, j), mass[j])
+                m = wide_get(mass, j)
+                if m != 0:
+                    cuda.atomic.add(hist, (row, 1, j), m)
             if not last_block(counters, row, S, flag):
                 return
             if do_k:
                 if level == 0 and tid == 0:
                     gcnt[row] = int32(0)  # the candidates' count starts at 0 in every call
-                _split_select(hist, st, stf, row, 0, level, float64(k), False, uint32(0), mass,
+                _split_select(hist, st, stf, row, 0, level, float64(k), False, uint32(0), above,
                               res, scr_i, (S_KPRE, S_KMASK, S_KBASE, S_KDONE, S_KCOUNT))
             if do_p:
-                _split_select(hist, st, stf, row, 1, level, float64(p), True, lo_p, mass, res,
+                _split_select(hist, st, stf, row, 1, level, float64(p), True, lo_p, above, res,
                               scr_i, (S_PPRE, S_PMASK, S_PBASE, S_PDONE, S_PCOUNT))
             return
 

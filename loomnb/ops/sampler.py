@@ -45,9 +45,12 @@ nothing kept answers the argmax (0 when every value is NaN).
 Bytes: a sample reads each row 1 + 4 x (filters) + 1 times (the radix levels; from L2 after the
 first pass when the rows fit), writes 4 bytes a row. Up to ``SPLIT_MAX_ROWS`` (64) rows with
 16-byte-aligned rows, each row is split over several blocks (the split kernels: the same
-thresholds and draws, in 2 + 3 x (filters) launches, 4 with a scalar top-k; one block a row is
-one SM, bound by its issue rate at decode batch sizes); more rows take one block a row, one
-launch.
+thresholds and draws, in 2 + 3 x (filters) launches; one block a row is one SM, bound by its
+issue rate at decode batch sizes); more rows take one block a row, one launch. A top-k-first
+sample with a scalar ``top_k`` (at most 1,024) takes the finish path up to ``FINISH_MAX_ROWS``
+(128) rows: the first top-k level and the compaction of its candidates on the split kernels,
+then one block a row finishes from the candidates -- 3 launches, the row read twice (with
+min-p, whose threshold needs the max first, 4 launches and up to 64 rows).
 """
 
 from __future__ import annotations
@@ -81,6 +84,9 @@ MAX_VOCAB = 1 << 21           # mass sums stay below 2^53 (exact in float64)
 PENALTY_GRID_ROWS = 65535     # the penalty grid's y dimension: more rows loop
 ORDERS = ("top_k_first", "joint")
 SPLIT_MAX_ROWS = 64           # up to this many rows, each row is split over several blocks
+FINISH_MAX_ROWS = 128         # the finish path takes the split kernels up to this many rows
+FINISH_THREADS = 256          # the finishing row kernel's block: a few candidates a row, so
+                              # more blocks an SM, not more threads a block
 SPLIT_BLOCKS = 384            # the blocks a split launch aims at (3 an SM of an H100 / H200)
 
 
@@ -170,36 +176,42 @@ def force_candidates(n):
 
 
 def force_split(n):
-    """Test hook: ``n >= 2`` splits every row with 16-byte loads over ``n`` blocks (the split
-    kernels), 0 or 1 never splits, None restores the launch rule (:func:`_splits`)."""
+    """Test hook: ``n >= 1`` takes the split kernels with every row with 16-byte loads over
+    ``n`` blocks, 0 the row kernel, None restores the launch rule (:func:`_splits`)."""
     return _force("split", n)
 
 
-def _splits(R, V, kind, vec):
-    """The blocks a row is split over: 1 (the row kernel) for rows without 16-byte loads or
-    more than ``SPLIT_MAX_ROWS`` rows (one block a row fills the GPU); else enough to give
-    ``SPLIT_BLOCKS`` blocks in all, each with at least one unit (16 bytes) a thread: a pass's
-    time is the latency of a thread's chain of elements, so more blocks, each shorter."""
+def _splits(R, V, kind, vec, finish, mp_on):
+    """The blocks the split kernels spread a row over, 0 for the row kernel: the row kernel for
+    rows without 16-byte loads or more than ``SPLIT_MAX_ROWS`` rows (one block a row fills the
+    GPU), or, on the finish path without min-p (``finish``, not ``mp_on``: its row is read
+    twice, the row kernel's 3-4 times), more than ``FINISH_MAX_ROWS``; else enough blocks to
+    give ``SPLIT_BLOCKS`` in all, at least one, each with at least one unit (16 bytes) a
+    thread: a pass's time is the latency of a thread's chain of elements, so more blocks, each
+    shorter. The limits are where the row kernel was as fast, measured (H100, 151,936 tokens):
+    without min-p the finish path takes 0.99x the row kernel's time at 128 rows, 1.15x at 256."""
     if not vec:
-        return 1
+        return 0
     if _forced["split"] is not None:
-        return max(1, _forced["split"])
-    if R > SPLIT_MAX_ROWS:
-        return 1
+        return max(0, _forced["split"])
+    if R > (FINISH_MAX_ROWS if finish and not mp_on else SPLIT_MAX_ROWS):
+        return 0
     units = -(-V // K.UNIT_ELEMS[kind])
     return max(1, min(-(-units // K.SPLIT_THREADS), -(-SPLIT_BLOCKS // R)))
 
 
-def _split_steps(spec, k_on, p_on, finish):
-    """``[(phase, level, which)]``: the split launches of a call (``k_on`` / ``p_on``: some row
-    may filter by top-k / top-p). ``finish``: every row takes top-k (a scalar ``k <= CAP``)
-    and samples with top-k first: the first top-k level, then the compaction of its
-    candidates, after which the row kernel finishes the rows (``RowSpec.finish``)."""
+def _split_steps(spec, k_on, p_on, mp_on, finish):
+    """``[(phase, level, which)]``: the split launches of a call (``k_on`` / ``p_on`` /
+    ``mp_on``: some row may filter by top-k / top-p / min-p). ``finish``: every row takes top-k
+    (a scalar ``k <= CAP``) and samples with top-k first: the max only for min-p, the first
+    top-k level, then the compaction of its candidates, after which the row kernel finishes
+    the rows (``RowSpec.finish``)."""
+    if finish:
+        return [(K.PH_MAX, 0, 0)] * mp_on + [(K.PH_LEVEL, 0, K.W_FINISH),
+                                             (K.PH_COMPACT, 0, K.W_FINISH)]
     steps = []
     if spec.output == "sample" or p_on:
         steps.append((K.PH_MAX, 0, 0))
-    if finish:
-        return steps + [(K.PH_LEVEL, 0, 0), (K.PH_COMPACT, 0, 0)]
     both = spec.joint and k_on and p_on
     if k_on:
         steps += [(K.PH_LEVEL, lv, 2 if both else 0) for lv in range(K.SPLIT_LEVELS)]
@@ -255,7 +267,8 @@ def _launch_split(spec, S, params, steps, finish, xa, stream, key):
                  warm=lambda: _row_siblings(row_twin))
     if finish:
         fspec = dataclasses.replace(row_twin, finish=True)
-        L.launch(row_kernel, fspec, R, _threads(V), params + [st, cand, count],
+        threads = _threads(V) if forced is not None else min(FINISH_THREADS, _threads(V))
+        L.launch(row_kernel, fspec, R, threads, params + [st, cand, count],
                  like=xa, stream=stream, key=key, part=(n - 1, n))
 
 
@@ -318,14 +331,15 @@ def _launch_rows(op, spec, xa, ids, y, k, p, t, mp, seed, offset, generator, str
               L.array(oa) if oa is not None else L.absent("int64", 1),
               L.i64(kv), L.f32(pv), L.f32(tv), L.f32(mv), L.i64(sv), L.i64(ov),
               L.i64(per_row_seed), L.i64(V), L.i64(CAP if _forced["cap"] is None else _forced["cap"])]
-    S = _splits(R, V, xa.kind, vec)
-    if S > 1:
+    finish = (spec.output == "sample" and not spec.joint and ka is None
+              and 0 < kv <= min(V - 1, CAP))
+    mp_on = ma is not None or mv > 0.0
+    S = _splits(R, V, xa.kind, vec, finish, mp_on)
+    if S > 0:
         k_on = ka is not None or 0 < kv < V
         p_on = pa is not None or pv < 1.0
-        finish = (spec.output == "sample" and not spec.joint and ka is None
-                  and 0 < kv <= min(V - 1, CAP))
-        _launch_split(spec, S, params, _split_steps(spec, k_on, p_on, finish), finish, xa,
-                      stream, key)
+        _launch_split(spec, S, params, _split_steps(spec, k_on, p_on, mp_on, finish), finish,
+                      xa, stream, key)
         return
     twin = SplitSpec(spec.kind, spec.source, spec.output)  # what a call of fewer rows launches
     warm = (lambda: [(split_kernel, twin, K.argtypes(twin))]
