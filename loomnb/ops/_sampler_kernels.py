@@ -414,8 +414,8 @@ def _row_parts(kind, source, layout):
 
     return types.SimpleNamespace(
         UE=UE, load=load, weight=weight, eligible=eligible, derive=derive, score=score,
-        hist_one=hist_one,
-        v_max=v_max, max_key=max_key, v_hist=v_hist, v_compact=v_compact, v_sample=v_sample, v_mask=v_mask,
+        hist_one=hist_one, max_key=max_key,
+        v_max=v_max, v_hist=v_hist, v_compact=v_compact, v_sample=v_sample, v_mask=v_mask,
         v_sum=v_sum, v_renorm=v_renorm)
 
 
