@@ -448,6 +448,14 @@ def row_kernel(spec):
     renorm_pass = _row_pass(UE, load, v_renorm)
 
     @device
+    def row_max(lr, V, nu, scr_u):
+        """The row's largest key (NaN as -inf, the lowest index first), in every thread."""
+        best = block_max_u64(max_key(max_pass(lr, V, (NEG_INF, int64(-1)), int64(0)),
+                                     int64(cuda.threadIdx.x), nu), scr_u)
+        cuda.syncthreads()
+        return best
+
+    @device
     def select(lr, V, mass, p, f, n, cap, sh):
         """``(threshold key, n)``: the threshold of top-k (``mass`` False: target ``p``
         elements) or top-p (``mass`` True: target ``p`` times the candidates' mass) over the
@@ -570,15 +578,11 @@ def row_kernel(spec):
                 best = block_max_u64(best, scr_u)
                 cuda.syncthreads()
                 if best == uint64(0) or key_value(best) == NEG_INF:
-                    best = block_max_u64(max_key(max_pass(lr, V, (NEG_INF, int64(-1)), int64(0)),
-                                          int64(tid), nu), scr_u)
-                    cuda.syncthreads()
+                    best = row_max(lr, V, nu, scr_u)
                 xm = key_value(best)
                 im = key_index(best)
         elif greedy or use_mp or use_p:
-            best = block_max_u64(max_key(max_pass(lr, V, (NEG_INF, int64(-1)), int64(0)),
-                                          int64(tid), nu), scr_u)
-            cuda.syncthreads()
+            best = row_max(lr, V, nu, scr_u)
             xm = key_value(best)
             im = key_index(best)
         if greedy:

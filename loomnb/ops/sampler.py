@@ -207,16 +207,17 @@ def _split_steps(spec, k_on, p_on, mp_on, finish):
     top-k level, then the compaction of its candidates, after which the row kernel finishes
     the rows (``RowSpec.finish``)."""
     if finish:
-        return [(K.PH_MAX, 0, 0)] * mp_on + [(K.PH_LEVEL, 0, K.W_FINISH),
-                                             (K.PH_COMPACT, 0, K.W_FINISH)]
+        first = [(K.PH_MAX, 0, 0)] if mp_on else []
+        return first + [(K.PH_LEVEL, 0, K.W_FINISH), (K.PH_COMPACT, 0, K.W_FINISH)]
     steps = []
     if spec.output == "sample" or p_on:
         steps.append((K.PH_MAX, 0, 0))
     both = spec.joint and k_on and p_on
     if k_on:
-        steps += [(K.PH_LEVEL, lv, 2 if both else 0) for lv in range(K.SPLIT_LEVELS)]
+        steps += [(K.PH_LEVEL, lv, K.W_JOINT if both else K.W_TOPK)
+                  for lv in range(K.SPLIT_LEVELS)]
     if p_on and not both:
-        steps += [(K.PH_LEVEL, lv, 1) for lv in range(K.SPLIT_LEVELS)]
+        steps += [(K.PH_LEVEL, lv, K.W_TOPP) for lv in range(K.SPLIT_LEVELS)]
     if spec.output == "sample":
         steps.append((K.PH_SAMPLE, 0, 0))
     else:
