@@ -729,6 +729,15 @@ def _(rng, d, kind, special):
     return (_logits(rng, d, kind, special), _top_k(rng, d)), {}
 
 
+@case("top_k_top_p_mask_logits", "sampler", SAMPLER_DIMS, **SAMPLER)
+def _(rng, d, kind, special):
+    R = d["num_rows"]
+    kw = dict(temperature=_per_row_or_scalar(rng, R, [0.0, 0.7, 1.0], np.float32),
+              min_p=_per_row_or_scalar(rng, R, [0.0, 0.1], np.float32),
+              filter_apply_order=str(rng.choice(["top_k_first", "joint"])))
+    return (_logits(rng, d, kind, special), _top_k(rng, d), _top_p(rng, d)), kw
+
+
 @case("top_k_renorm_probs", "sampler", SAMPLER_DIMS, kinds=("f32",), compare=compare_renorm,
       **SAMPLER)
 def _(rng, d, kind, special):

@@ -35,6 +35,8 @@ HOT = dict(temperature=1.3, top_k=40, top_p=0.95, min_p=0.01, seed=1234)
     ("presence_penalty", -3.0, r"presence_penalty must be in \[-2, 2\]"),
     ("seed", -1, r"seed must be in \[0, 2\^63\)"),
     ("seed", "7", "seed must be an int or None"),
+    ("logprobs_mode", "processed", "logprobs_mode must be 'raw_logprobs' or "
+                                   "'processed_logprobs'"),
 ])
 def test_sampling_params_reject_out_of_range_values(field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -124,6 +126,38 @@ def test_sampler_state_counts_the_sampled_tokens_and_advances(penalty):
         st.load([[1]] * 4)
 
 
+def test_processed_logprobs_are_those_of_the_logits_the_draw_saw():
+    """logprobs_mode="processed_logprobs": the sampled token's log-softmax and rank over the
+    penalised logits divided by T with the dropped tokens at -inf (torch's log_softmax of the
+    oracle's mask here); the same tokens as raw mode; both backends agree."""
+    p = SamplingParams(temperature=0.7, top_k=6, top_p=0.8, seed=3, repetition_penalty=1.2)
+    pp = SamplingParams(**{**p.__dict__, "logprobs_mode": "processed_logprobs"})
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1)).bfloat16()
+    out = {}
+    for params in (p, pp):
+        st = SamplerState(params, 3, 50, "cpu")
+        st.load([[1, 2], [3], [4, 5, 6]])
+        out[params.logprobs_mode] = st.sample(LoomnbCpuOps(), logits)
+    (ids, lp_raw, _), (ids_p, lp, rank) = out["raw_logprobs"], out["processed_logprobs"]
+    assert torch.equal(ids, ids_p)
+    x = logits.float()
+    oracle.apply_penalties_(x.numpy(), st.prompt_mask.numpy(), np.zeros((3, 50), np.int32),
+                            np.full(3, 1.2, np.float32), np.zeros(3, np.float32),
+                            np.zeros(3, np.float32))
+    y = torch.from_numpy(oracle.top_k_top_p_mask_logits(x.numpy(), 6, 0.8, temperature=0.7))
+    assert int((y != -torch.inf).sum(1).max()) <= 6
+    want = torch.log_softmax(y, -1)
+    tok = want.gather(1, ids.view(-1, 1))
+    torch.testing.assert_close(lp, tok.view(-1), rtol=0, atol=1e-6)
+    assert torch.equal(rank, (want >= tok).sum(-1))
+    assert (lp > lp_raw).all(), "the kept set's mass is renormalised"
+    model = tiny_llama()
+    a = model.new_runner("loomnb-cpu", 16).generate(PROMPTS, 6, sampling=pp)
+    b = model.new_runner("torch-reference", 16).generate(PROMPTS, 6, sampling=pp)
+    assert a.token_ids == b.token_ids and "top_k_top_p_mask_logits" in a.loomnb_ops
+    np.testing.assert_allclose(a.token_logprobs, b.token_logprobs, rtol=0, atol=1e-5)
+
+
 def test_equal_prompts_with_one_seed_sample_alike():
     """vLLM's seeded requests: the same seed and prompt give the same tokens in one batch."""
     model = tiny_llama()
@@ -150,6 +184,8 @@ def test_teacher_forcing_does_not_sample():
     (["--temperature", "0.7", "--speculative", "ngram", "--check-reference"],
      "--check-reference cannot compare them"),
     (["--presence-penalty", "3"], r"--presence-penalty must be in \[-2, 2\]"),
+    (["--temperature", "0.7", "--speculative", "ngram", "--logprobs-mode", "processed_logprobs"],
+     "gives raw logprobs only"),
 ])
 def test_cli_rejects_bad_sampling_options_before_loading(argv, message, capsys):
     rc = main(["generate", "--prompt", "hi", *argv])

@@ -1,8 +1,9 @@
 """Bad input to the sampler ops gets a clear error naming the argument, what was expected and
 what came, before any launch, and nothing the caller passed is modified (the error-message table
 of the family template); an empty batch is a no-op. For the twelve ops of
-``loomnb/ops/sampler.py``: the seven sampling ops, the three filters (``top_k_mask_logits``,
-``top_k_renorm_probs``, ``top_p_renorm_probs``) and the two penalty ops.
+``loomnb/ops/sampler.py``: the seven sampling ops, the four filters (``top_k_mask_logits``,
+``top_k_top_p_mask_logits``, ``top_k_renorm_probs``, ``top_p_renorm_probs``) and the two
+penalty ops.
 
 Runs in the simulator pass (NumPy arrays are the device arrays there); host-array and
 cross-device cases are GPU-only. Every test here runs with ``loomnb.ops._launch.launch``
@@ -55,11 +56,14 @@ ROW_OPS = {
     "top_p_sampling_from_probs": ("probs", ("top_p",), (), "sample"),
     "min_p_sampling_from_probs": ("probs", ("min_p",), (), "sample"),
     "top_k_mask_logits": ("logits", ("top_k",), (), "mask"),
+    "top_k_top_p_mask_logits": ("logits", ("top_k", "top_p"), ("temperature", "min_p"),
+                                "processed"),
     "top_k_renorm_probs": ("probs", ("top_k",), (), "renorm"),
     "top_p_renorm_probs": ("probs", ("top_p",), (), "renorm"),
 }
 SAMPLE_OPS = [op for op, s in ROW_OPS.items() if s[3] == "sample"]
-ORDER_OPS = ["top_k_top_p_sampling_from_logits", "top_k_top_p_sampling_from_probs"]
+ORDER_OPS = ["top_k_top_p_sampling_from_logits", "top_k_top_p_sampling_from_probs",
+             "top_k_top_p_mask_logits"]
 PENALTY_OPS = {
     "apply_repetition_penalties_": ("logits", "prompt_mask", "output_mask",
                                     "repetition_penalties"),
@@ -280,6 +284,9 @@ case("top_k_mask_logits bf16 out for fp32", "top_k_mask_logits",
 case("top_k_mask_logits fp16 out for fp16", "top_k_mask_logits",
      lambda a: {"logits": a["logits"].astype(np.float16), "out": np.zeros((ROWS, VOCAB), BF16)}, T,
      msg("top_k_mask_logits", "out", "of dtype float16", "dtype bfloat16"))
+case("processed logits fp32 out for bf16", "top_k_top_p_mask_logits",
+     lambda a: {"logits": a["logits"].astype(BF16), "out": np.zeros((ROWS, VOCAB), BF16)}, T,
+     msg("top_k_top_p_mask_logits", "out", "of dtype float32", "dtype bfloat16"))
 # an empty batch still checks its arguments
 case("empty batch, top_k rows", "top_k_renorm_probs",
      lambda a: {"probs": a["probs"][:0], "top_k": a["k"][:1]}, V,

@@ -124,6 +124,25 @@ def test_finish_path_equals_the_oracle_at_a_serving_vocabulary(dtype, split):
     assert host(got)[3] == int(np.argmax(xh[3])), "temperature 0 takes the argmax"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_processed_logits_at_a_serving_vocabulary(dtype):
+    """The processed logits against the oracle (equal: a boundary within the GPU's 2-ulp
+    ``expf`` of a top-p / min-p threshold is as unlikely as for the tokens above), and the
+    processed logprob of a token sampled with the same arguments finite on every row."""
+    x = model_logits(ROWS, dtype=dtype, seed=6)
+    k, p, t, mp = _config_tensors()
+    got = loomnb.top_k_top_p_mask_logits(x, k, p, temperature=t, min_p=mp)
+    want = O.top_k_top_p_mask_logits(host(x), *(np.array(CONFIG[n], np.int32 if n == "top_k"
+                                                          else np.float32)
+                                                 for n in ("top_k", "top_p")),
+                                     temperature=np.array(CONFIG["temperature"], np.float32),
+                                     min_p=np.array(CONFIG["min_p"], np.float32))
+    assert np.array_equal(bits(host(got)), bits(want))
+    ids = loomnb.top_k_top_p_sampling_from_logits(x, k, p, temperature=t, min_p=mp, seed=3)
+    lp, rank = loomnb.selected_token_logprob_rank(got, ids.to(torch.int64))
+    assert np.isfinite(host(lp)).all() and (host(rank) >= 1).all(), (host(lp), host(rank))
+
+
 @pytest.mark.parametrize("split", [None, 0])  # 4 rows: split by the rule, or never
 def test_from_probs_masks_and_renorm_at_a_serving_vocabulary(split):
     with force_split(split):

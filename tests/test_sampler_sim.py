@@ -102,6 +102,31 @@ def test_mask_and_renorm(V, cap):
         assert np.allclose(got.sum(1), 1, atol=1e-6)
 
 
+@pytest.mark.parametrize("cap", [None, 6])
+@pytest.mark.parametrize("V, kind", [(37, "f32"), (40, "bf16")])
+def test_processed_logits_are_the_sampled_set(V, kind, cap):
+    """``top_k_top_p_mask_logits`` keeps exactly the tokens the sampler may draw, at
+    ``r32(x / T)``; a greedy row keeps its logits (vLLM's processed logits); both orders."""
+    x = logits(np.random.default_rng(12), 5, V, kind)
+    cfg = dict(temperature=ROWS["temperature"], min_p=ROWS["min_p"])
+    for order in ("top_k_first", "joint"):
+        with force_candidates(cap):
+            got, want, _, _ = call_both("top_k_top_p_mask_logits", x, ROWS["top_k"],
+                                        ROWS["top_p"], filter_apply_order=order, **cfg)
+        assert_bits(got, want, f"processed {order}")
+        xf = x.astype(np.float32)
+        assert np.array_equal(got[3], xf[3]), "a greedy row: its logits"
+        for r in (0, 1, 2, 4):
+            kept = got[r] != -np.inf
+            assert np.array_equal(got[r][kept], (xf[r][kept] / ROWS["temperature"][r]
+                                                 ).astype(np.float32))
+        assert (got[0] != -np.inf).sum() == 5, "top_k = 5"
+    tokens = [call_both("top_k_top_p_sampling_from_logits", x, ROWS["top_k"], ROWS["top_p"],
+                        seed=s, **cfg)[0] for s in range(3)]
+    for t in tokens:
+        assert (got[np.arange(5), t] != -np.inf).all(), "a sampled token is a kept one"
+
+
 def edge_rows():
     """``(logits, top_k, top_p)`` of the distribution contract's edge rows (V = 24)."""
     V = 24
@@ -123,6 +148,10 @@ def test_edge_rows():
     assert_bits(got, want, "edges")
     assert not np.isnan(x[0, got[0]]) and got[1] == 17 and got[2] in (4, 9, 13)
     assert got[5] == 0
+    got, want, _, _ = call_both("top_k_top_p_mask_logits", x, k, p)
+    assert_bits(got, want, "processed edges")
+    assert (got[0, ::3] == -np.inf).all() and (got[5] == -np.inf).all(), "NaN dropped"
+    assert (got[2] != -np.inf).sum() == 3 and (got[1] != -np.inf).sum() == 1
 
 
 def test_a_request_keeps_its_token_wherever_it_sits_in_the_batch():

@@ -123,7 +123,7 @@ def _check_sampling(args):
     from .sampling_params import SamplingParams
 
     names = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty",
-             "frequency_penalty", "presence_penalty")
+             "frequency_penalty", "presence_penalty", "logprobs_mode")
     try:
         p = SamplingParams(**{n: getattr(args, n, None) for n in names
                               if getattr(args, n, None) is not None})
@@ -131,6 +131,9 @@ def _check_sampling(args):
         raise UsageError(f"--{str(e).replace('_', '-')}") from None
     if p.is_greedy:
         return None
+    if args.speculative and p.logprobs_mode != "raw_logprobs":
+        raise UsageError("--speculative ngram with sampling gives raw logprobs only; leave out "
+                         "--logprobs-mode or --speculative")
     if args.speculative and p.penalized:
         raise UsageError("--speculative ngram samples without penalties; leave out "
                          "--repetition-penalty, --frequency-penalty and --presence-penalty, or "

@@ -34,6 +34,9 @@ sampler family's ops with loomnb's signatures:
   inside a CUDA graph);
 * ``selected_token_logprob_rank(logits, token_ids) -> (logprob fp32, rank int64)``: the
   sampled token's log-softmax and rank (V1's definitions);
+* ``top_k_top_p_mask_logits(logits, top_k, top_p, temperature, min_p) -> fp32 [R, V]``: the
+  processed logits (``logprobs_mode="processed_logprobs"``), the torch backends through the
+  oracle on host copies;
 * ``chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, seed, offset) ->
   (output_token_ids, accepted, emitted)``: speculative sampling of a pass's drafts (one-hot
   drafts with ``draft_probs`` None; the torch backends through the oracle on host copies);
@@ -211,6 +214,20 @@ class TorchReferenceOps:
         return torch.from_numpy(np.ascontiguousarray(ids)).to(logits.device)
 
     @staticmethod
+    def top_k_top_p_mask_logits(logits, top_k, top_p, temperature, min_p):
+        """loomnb's NumPy oracle on host copies (the kept set is the draw's), the result back
+        on ``logits``' device. Raises ``RuntimeError`` inside a CUDA graph capture."""
+        if logits.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the torch backends mask through loomnb's NumPy oracle on the "
+                               "host, which a CUDA graph cannot hold; decode without CUDA "
+                               "graphs")
+        from loomnb import oracle
+
+        y = oracle.top_k_top_p_mask_logits(_to_numpy(logits.detach().cpu()), top_k, top_p,
+                                           temperature=temperature, min_p=min_p)
+        return torch.from_numpy(np.ascontiguousarray(y)).to(logits.device)
+
+    @staticmethod
     def copy_blocks(key_caches, value_caches, block_mapping):
         """``kc[dst] = kc[src]`` and ``vc[dst] = vc[src]`` for every layer's caches and all
         rows ``(src, dst)`` of ``block_mapping`` (int64 ``[num_pairs, 2]``) at once (torch
@@ -329,6 +346,10 @@ class _LoomnbOps:
         return self._tensor(self.m.top_k_top_p_sampling_from_logits(
             a(logits), top_k, top_p, temperature=temperature, min_p=min_p, seed=a(seed),
             offset=a(offset)))
+
+    def top_k_top_p_mask_logits(self, logits, top_k, top_p, temperature, min_p):
+        return self._tensor(self.m.top_k_top_p_mask_logits(
+            self._array(logits), top_k, top_p, temperature=temperature, min_p=min_p))
 
     def selected_token_logprob_rank(self, logits, token_ids):
         lp, rank = self.m.selected_token_logprob_rank(self._array(logits),

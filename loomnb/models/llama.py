@@ -620,7 +620,9 @@ class ModelRunner:
             backend=self.ops.name,
             loomnb_ops=(tuple(self.ops.loomnb_ops) if not sampled else tuple(  # the sampler's
                 op for op in self.ops.loomnb_ops if op != "greedy_sample_logprob") + (
-                SAMPLER_OPS if self.ops.loomnb_ops else ())),
+                SAMPLER_OPS if self.ops.loomnb_ops else ()) + (
+                ("top_k_top_p_mask_logits",) if self.ops.loomnb_ops
+                and sampling.logprobs_mode == "processed_logprobs" else ())),
             prefill_time_s=prefill_s,
             decode_time_s=t2 - t1,
             num_prefill_tokens=sum(prompt_lens),

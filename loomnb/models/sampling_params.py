@@ -12,7 +12,9 @@ of a sampled decode, on the device, with no host synchronisation (CUDA-graph cap
                      repetition, frequency, presence)      model's dtype: the same values)
     ids = top_k_top_p_sampling_from_logits(x, top_k, top_p, temperature=T, min_p=min_p,
                                            seed=seeds, offset=offset)
-    logprob, rank = selected_token_logprob_rank(logits, ids)   (vLLM's "raw_logprobs")
+    logprob, rank = selected_token_logprob_rank(logits, ids)   (vLLM's "raw_logprobs"; with
+        "processed_logprobs" of top_k_top_p_mask_logits(x, top_k, top_p, temperature=T,
+        min_p=min_p): the logits the draw saw, divided by T, the dropped tokens at -inf)
     output_counts[row, ids[row]] += 1                     (only when a penalty is set)
     offset += 1                                           (advance(), once per step)
 
@@ -37,6 +39,7 @@ import torch
 __all__ = ["SamplingParams", "SamplerState"]
 
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,11 @@ class SamplingParams:
             logits divided by it and negative ones multiplied; 1: off.
         frequency_penalty: in ``[-2, 2]``; subtracted times the token's output count.
         presence_penalty: in ``[-2, 2]``; subtracted once from every token in the output.
+        logprobs_mode: what the sampled token's logprob and rank are computed on (vLLM's
+            engine option of that name, for the whole run): ``"raw_logprobs"`` the model's
+            logits, ``"processed_logprobs"`` the logits after the penalties, temperature and
+            filters (``loomnb.top_k_top_p_mask_logits``). The greedy loop's (no penalty) are
+            the same in both.
 
     Raises ``ValueError`` naming the field for a value outside its range (vLLM's checks).
     """
@@ -67,13 +75,18 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self):
         def bad(name, want):
             raise ValueError(f"{name} must be {want}; got {getattr(self, name)!r}")
 
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            bad("logprobs_mode", " or ".join(map(repr, LOGPROBS_MODES)))
         for f in fields(self):
             v = getattr(self, f.name)
+            if f.name == "logprobs_mode":
+                continue
             if f.name in ("top_k", "seed"):
                 if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                     bad(f.name, "an int" + (" or None" if f.name == "seed" else ""))
@@ -160,7 +173,8 @@ class SamplerState:
         """Sample one token for each row of ``logits`` ``[n, V]`` (model dtype; rows ``rows``
         of the state, default the first ``n``) through ``ops`` (a backend of
         :mod:`loomnb.models.backends`). Returns ``(token_ids int64 [n], logprob fp32 [n],
-        rank int64 [n])``, the logprob and rank of the sampled token under the raw logits.
+        rank int64 [n])``, the logprob and rank of the sampled token under the raw logits
+        (``logprobs_mode`` "raw_logprobs") or the processed ones.
         With a penalty, mutates ``output_counts`` of those rows (the token counted); never
         ``logits``."""
         n = logits.shape[0]
@@ -177,6 +191,8 @@ class SamplerState:
         ids = ids.to(torch.long)
         if p.penalized:
             counts.scatter_add_(1, ids.view(-1, 1), self._one[rows])
+        if p.logprobs_mode == "processed_logprobs":
+            logits = ops.top_k_top_p_mask_logits(x, p.top_k, p.top_p, p.temperature, p.min_p)
         lp, rank = ops.selected_token_logprob_rank(logits, ids)
         return ids, lp, rank
 

@@ -352,6 +352,10 @@ class SpeculativeRunner(ModelRunner):
         k = num_speculative_tokens
         if sampling is not None and sampling.is_greedy:
             sampling = None
+        if sampling is not None and sampling.logprobs_mode != "raw_logprobs":
+            raise ValueError("speculative sampling gives raw logprobs only (its target "
+                             "distribution is not the sampler's kept set); got logprobs_mode="
+                             f"{sampling.logprobs_mode!r}")
         if sampling is not None and sampling.penalized:
             raise ValueError("speculative sampling takes no penalties (the drafts' positions "
                              "would need the counts of the tokens before them)")

@@ -36,8 +36,9 @@ which under the first level's contention made the row kernel 1.6x slower.
   min_p)`` from probabilities.
 
 At each level one block scan over the 256 bins (from the top) gives every bin the weight above
-it; the bins that reach the target take a shared atomic min, the non-empty ones an atomic max
-(the last non-empty bin when none reaches it): one barrier a level. **Candidates**: as soon as
+it; the first bin that reaches the target (a min) and the last non-empty one (a max, taken
+when none reaches it) are folded over each warp, then one shared atomic a warp: one barrier a
+level. **Candidates**: as soon as
 top-k's select finds at most ``CAP = 1024`` eligible elements at or above the prefix found so
 far, one pass copies them into shared memory as uint64 order keys (value, then index: the
 value is recovered from the key), and the remaining levels, top-p over the top-k set and the
@@ -51,7 +52,8 @@ with ``s = r32(x / T)`` (or ``log p``) and ``g = -log(-log(u))``, ``u`` from Phi
 offset_hi)``, word ``i & 3`` for token ``i`` (``salt`` is the row unless every row has its own
 seed); the lowest index wins a tie. A row at temperature ``< 1e-5`` takes the argmax instead
 (the lowest index of the largest non-NaN logit). ``mask`` writes the logits with the dropped
-tokens at ``-inf``; ``renorm`` writes ``r32(p / r32(S))`` for the kept tokens and 0 elsewhere,
+tokens at ``-inf``; ``processed`` writes fp32 ``s = r32(x / T)`` for the kept tokens and
+``-inf`` elsewhere (a row at temperature ``< 1e-5``: its logits, unfiltered); ``renorm`` writes ``r32(p / r32(S))`` for the kept tokens and 0 elsewhere,
 ``S`` their float64 sum (a block reduction in thread order: deterministic).
 """
 
@@ -68,14 +70,14 @@ from .._numba_internals import device
 from ..layouts.dtypes import f32_bits
 from . import _launch as L
 from ._philox import gumbel, philox
-from ._reduce import (REDUCE_SCRATCH, block_max_u64, block_reduce, block_scan,
-                      key_index, key_value, last_block, mul_rn, order_key, umax, wide_add,
-                      wide_get)
+from ._reduce import (REDUCE_SCRATCH, block_max_u64, block_reduce, block_scan, group_reduce,
+                      imax, imin, key_index, key_value, last_block, mul_rn, order_key, umax,
+                      wide_add, wide_get)
 from ._vector import CODECS, UNIT_ELEMS, row_loader
 
 KINDS = ("f32", "bf16", "f16")
 SOURCES = ("logits", "probs")
-OUTPUTS = ("sample", "mask", "renorm")
+OUTPUTS = ("sample", "mask", "renorm", "processed")
 BINS = 256          # radix digit: 8 bits
 LEVELS = 4          # 32-bit keys
 COPIES = 16         # histogram copies: lane l adds to copy l % COPIES
@@ -95,7 +97,7 @@ PENALTY_MODES = ("repetition", "all")
 class RowSpec:
     kind: str             # the row's dtype
     source: str           # "logits" or "probs"
-    output: str           # "sample", "mask" (logits) or "renorm" (probs)
+    output: str           # "sample", "mask" or "processed" (logits), "renorm" (probs)
     joint: bool = False   # top-p on the whole row's mass (FlashInfer's "joint"), else on top-k's
     layout: str = "vec"   # "vec": 16-byte loads (rows aligned, whole units); "scalar"
     finish: bool = False  # finish a split top-k sample (state and candidates of the split kernels)
@@ -105,7 +107,7 @@ class RowSpec:
         assert self.layout in LAYOUTS
         assert not self.finish or (self.output == "sample" and not self.joint
                                    and self.layout == "vec")
-        assert not (self.output == "mask" and self.source != "logits")
+        assert not (self.output in ("mask", "processed") and self.source != "logits")
         assert not (self.output == "renorm" and self.source != "probs")
 
 
@@ -177,7 +179,7 @@ def _row_config(tk, tp, tt, tmp, row, k_val, p_val, t_val, mp_val, V, logits_sam
 def _row_argtypes(spec):
     st = storage_dtype(spec.kind)
     xs = "uint32" if spec.layout == "vec" else st
-    y = "float32" if spec.output == "renorm" else st
+    y = "float32" if spec.output in ("renorm", "processed") else st
     i64, f32 = L.i64(0).numba_type, L.f32(0).numba_type
     return (L.array_type(xs, 2), L.array_type("int32", 1), L.array_type(y, 2),
             L.array_type("int32", 1), L.array_type("float32", 1), L.array_type("float32", 1),
@@ -395,6 +397,18 @@ def _row_parts(kind, source, layout):
         return st
 
     @device
+    def v_processed(a, i0, V, st, ctx):
+        yr, f, raw = ctx
+        for j in range(UE):
+            if WHOLE or i0 + j < V:
+                v = a[j]
+                if raw:
+                    yr[i0 + j] = v
+                else:
+                    yr[i0 + j] = score(v, f[3]) if eligible(v, fkey(v), f) else NEG_INF
+        return st
+
+    @device
     def v_sum(a, i0, V, s, f):
         for j in range(UE):
             if WHOLE or i0 + j < V:
@@ -416,7 +430,26 @@ def _row_parts(kind, source, layout):
         UE=UE, load=load, weight=weight, eligible=eligible, derive=derive, score=score,
         hist_one=hist_one, max_key=max_key,
         v_max=v_max, v_hist=v_hist, v_compact=v_compact, v_sample=v_sample, v_mask=v_mask,
-        v_sum=v_sum, v_renorm=v_renorm)
+        v_processed=v_processed, v_sum=v_sum, v_renorm=v_renorm)
+
+
+_warp_min_i32 = group_reduce(imin, 32)
+_warp_max_i32 = group_reduce(imax, 32)
+
+
+@device
+def _bins_found(res, r0, fnd, lst):
+    """Folds every thread's first bin reaching the target (``fnd``, ``NO_BIN``: none) and last
+    non-empty bin (``lst``, -1: none) into ``res[r0]`` (a min) and ``res[r0 + 1]`` (a max): a
+    warp's own in one lane, then one shared atomic a warp (atomics of a block on one word
+    serialize). Every thread of the block calls it."""
+    fnd = _warp_min_i32(fnd)
+    lst = _warp_max_i32(lst)
+    if (cuda.threadIdx.x & 31) == 0:
+        if fnd != NO_BIN:
+            cuda.atomic.min(res, r0, fnd)
+        if lst >= 0:
+            cuda.atomic.max(res, r0 + 1, lst)
 
 
 def row_kernel(spec):
@@ -434,7 +467,7 @@ def row_kernel(spec):
     max_key = P.max_key
     v_sample, v_mask, v_sum, v_renorm = P.v_sample, P.v_mask, P.v_sum, P.v_renorm
     LOGITS = spec.source == "logits"
-    SAMPLE, MASK, RENORM = (spec.output == o for o in OUTPUTS)
+    SAMPLE, MASK, RENORM, PROCESSED = (spec.output == o for o in OUTPUTS)
     JOINT = spec.joint
     FINISH = spec.finish
     NEG_INF = float32(-math.inf)
@@ -446,6 +479,7 @@ def row_kernel(spec):
     mask_pass = _row_pass(UE, load, v_mask)
     sum_pass = _row_pass(UE, load, v_sum)
     renorm_pass = _row_pass(UE, load, v_renorm)
+    processed_pass = _row_pass(UE, load, P.v_processed)
 
     @device
     def row_max(lr, V, nu, scr_u):
@@ -504,12 +538,15 @@ def row_kernel(spec):
             if mass and level == 0:
                 target = float64(p) * float64(run)  # run: the candidates' whole mass
             # the first bin whose running total reaches the target; the last non-empty one
+            fnd = int32(NO_BIN)
+            lst = int32(-1)
             for j in range(tid, BINS, nt):
                 c = tot[j]
                 if c > 0:
-                    if float64(above[j] + c) >= target:
-                        cuda.atomic.min(res, r0, int32(j))
-                    cuda.atomic.max(res, r0 + 1, int32(j))
+                    if fnd == NO_BIN and float64(above[j] + c) >= target:
+                        fnd = int32(j)
+                    lst = int32(j)
+            _bins_found(res, r0, fnd, lst)
             cuda.syncthreads()
             found = int64(res[r0])
             if found == NO_BIN:
@@ -547,12 +584,16 @@ def row_kernel(spec):
         sh = (hist, tot, above, res, cand, cnt, scr_i)
 
         k, p, t, mpv, use_k, use_p, use_mp, greedy = _row_config(
-            tk, tp, tt, tmp, row, k_val, p_val, t_val, mp_val, V, LOGITS and SAMPLE)
+            tk, tp, tt, tmp, row, k_val, p_val, t_val, mp_val, V, LOGITS and not MASK)
 
         xm = NEG_INF
         im = int64(0)
         lo = uint32(0)
         n = int64(-1)  # the candidates in shared memory (-1: none, the row is read)
+        if PROCESSED and greedy:  # vLLM's greedy rows: the logits at temperature 1, unfiltered
+            processed_pass(lr, V, int64(0), (y[row], (lo, xm, xm, float32(1), float32(0), False,
+                                                      float32(0)), True))
+            return
         if FINISH:  # after the split kernels' PH_LEVEL 0 (top-k, every row) and PH_COMPACT
             if use_k and st[row, S_KCOUNT] <= cap:
                 # every eligible key in or above top-k's first-level bin, compacted by the split
@@ -622,6 +663,9 @@ def row_kernel(spec):
             return
         if MASK:
             mask_pass(lr, V, int64(0), (y[row], lo))
+            return
+        if PROCESSED:
+            processed_pass(lr, V, int64(0), (y[row], f, False))
             return
         # RENORM
         s64 = float64(0)
@@ -761,15 +805,18 @@ def _split_select(hist, st, stf, row, h, level, target, mass, lo, above, res, sc
         else:
             t = stf[row, F_TARGET]
     run = base + before
+    fnd = int32(NO_BIN)
+    lst = int32(-1)
     for q in range(bpt):
         j = j0 + q
         c = above[j]
         above[j] = run
         if c > 0:
-            if float64(run + c) >= t:
-                cuda.atomic.min(res, 0, int32(j))
-            cuda.atomic.max(res, 1, int32(j))
+            if fnd == NO_BIN and float64(run + c) >= t:
+                fnd = int32(j)
+            lst = int32(j)
         run += c
+    _bins_found(res, 0, fnd, lst)
     cuda.syncthreads()
     found = int64(res[0])
     if found == NO_BIN:
@@ -1034,6 +1081,9 @@ def variants():
         for layout in LAYOUTS:
             spec = RowSpec(kind, "logits", "mask", layout=layout)
             out.append((row_kernel, spec, argtypes(spec)))
+            for joint in (False, True):
+                spec = RowSpec(kind, "logits", "processed", joint, layout)
+                out.append((row_kernel, spec, argtypes(spec)))
         spec = PenaltySpec(kind, "repetition")
         out.append((penalty_kernel, spec, argtypes(spec)))
     for counts in ("i32", "i64"):

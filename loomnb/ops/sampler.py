@@ -74,7 +74,7 @@ from ._torch_ops import torch_op
 __all__ = ["top_k_top_p_sampling_from_logits", "top_k_top_p_sampling_from_probs",
            "sampling_from_logits", "sampling_from_probs", "top_k_sampling_from_probs",
            "top_p_sampling_from_probs", "min_p_sampling_from_probs", "top_k_mask_logits",
-           "top_k_renorm_probs", "top_p_renorm_probs", "apply_repetition_penalties_",
+           "top_k_top_p_mask_logits", "top_k_renorm_probs", "top_p_renorm_probs", "apply_repetition_penalties_",
            "apply_penalties_", "chain_speculative_sampling"]
 
 LOGITS_KINDS = ("f32", "bf16", "f16")
@@ -323,7 +323,8 @@ def _launch_rows(op, spec, xa, ids, y, k, p, t, mp, seed, offset, generator, str
     params = [L.array(xa, words=vec),
               L.array(ids) if ids is not None else L.absent("int32", 1),
               L.array(y) if y is not None else L.absent(
-                  "float32" if spec.output == "renorm" else storage_dtype(xa.kind), 2),
+                  "float32" if spec.output in ("renorm", "processed") else
+                  storage_dtype(xa.kind), 2),
               L.array(ka) if ka is not None else L.absent("int32", 1),
               L.array(pa) if pa is not None else L.absent("float32", 1),
               L.array(ta) if ta is not None else L.absent("float32", 1),
@@ -335,7 +336,8 @@ def _launch_rows(op, spec, xa, ids, y, k, p, t, mp, seed, offset, generator, str
     finish = (spec.output == "sample" and not spec.joint and ka is None
               and 0 < kv <= min(V - 1, CAP))
     mp_on = ma is not None or mv > 0.0
-    S = _splits(R, V, xa.kind, vec, finish, mp_on)
+    # the processed logits have no split kernels (a diagnostic output, once a step at most)
+    S = _splits(R, V, xa.kind, vec, finish, mp_on) if spec.output != "processed" else 0
     if S > 0:
         k_on = ka is not None or 0 < kv < V
         p_on = pa is not None or pv < 1.0
@@ -344,7 +346,8 @@ def _launch_rows(op, spec, xa, ids, y, k, p, t, mp, seed, offset, generator, str
         return
     twin = SplitSpec(spec.kind, spec.source, spec.output)  # what a call of fewer rows launches
     warm = (lambda: [(split_kernel, twin, K.argtypes(twin))]
-            + _row_siblings(dataclasses.replace(spec, layout="vec"))[1:]) if vec else None
+            + _row_siblings(dataclasses.replace(spec, layout="vec"))[1:]) if (
+        vec and spec.output != "processed") else None
     params += [L.absent("int64", 2), L.absent("uint64", 2), L.absent("int32", 1)]
     L.launch(row_kernel, spec, R, _threads(V), params, like=xa, stream=stream, key=key, warm=warm)
 
@@ -600,6 +603,52 @@ def top_k_mask_logits(logits, top_k, *, out=None, stream=None, launch_key=None):
     return y.obj
 
 
+@torch_op("Tensor logits, Tensor|int top_k, Tensor|float top_p, *, Tensor|float? temperature=None, "
+          "Tensor|float? min_p=None, str filter_apply_order='top_k_first'", outputs=("out",),
+          fake=_fake_f32)
+def top_k_top_p_mask_logits(logits, top_k, top_p, *, temperature=None, min_p=None,
+                            filter_apply_order="top_k_first", out=None, stream=None,
+                            launch_key=None):
+    """The processed logits a sample draws from: ``out[r, i] = r32(logits[r, i] / T_r)`` for the
+    tokens :func:`top_k_top_p_sampling_from_logits` keeps with the same arguments (min-p, then
+    top-k, then top-p, as there), ``-inf`` elsewhere (NaN included); a row with ``T < 1e-5``
+    gets its logits unchanged and unfiltered (vLLM's greedy rows: temperature 1, no filter).
+
+    With ``selected_token_logprob_rank(out, token_ids)`` this gives vLLM's
+    ``logprobs_mode="processed_logprobs"``: the log-softmax of the temperature-scaled, masked
+    logits, ``-inf`` for a dropped token.
+
+    Args:
+        logits: ``[num_rows, vocab_size]`` fp32, bf16 or fp16, last dimension contiguous, any
+            row stride; ``vocab_size <= 2^21``. Not modified.
+        top_k: an int, or a ``[num_rows]`` int32 tensor; ``<= 0`` or ``>= vocab_size``: off.
+        top_p: a float, or a ``[num_rows]`` fp32 tensor; ``>= 1``: off.
+        temperature: optional float or ``[num_rows]`` fp32 tensor (default 1).
+        min_p: optional float or ``[num_rows]`` fp32 tensor (default 0: off).
+        filter_apply_order: ``"top_k_first"`` (default) or ``"joint"``.
+        out: optional ``[num_rows, vocab_size]`` fp32 output; allocated when None.
+        stream: CUDA stream; default the caller's current stream.
+
+    Returns ``out``. Mutates only ``out``.
+
+    {raises}
+
+    Matches vLLM 0.24's processed logits (``TopKTopPSampler`` with ``logprobs_mode=
+    "processed_logits"``; its torch path keeps every token equal to the ``k``-th value too)
+    with the filters of the sampler ops here, which differ from vLLM's only at top-p's
+    crossing: every token tied there is kept and the mass is summed exactly in fixed point
+    (vLLM's fp32 cumulative sum from the least likely token breaks ties by sort order and can
+    round across the crossing). One block a row, the row read 2-4 times.
+    """
+    op = "loomnb.top_k_top_p_mask_logits"
+    xa = _rows(op, "logits", logits)
+    joint = _order(op, filter_apply_order)
+    y = C.output(op, "out", out, like=xa, kind="f32", shape=xa.shape, like_name="logits")
+    _launch_rows(op, RowSpec(xa.kind, "logits", "processed", joint), xa, None, y, top_k, top_p,
+                 temperature, min_p, None, None, None, stream, launch_key)
+    return y.obj
+
+
 def _renorm_op(op, probs, k, p, out, stream, key):
     xa = _rows(op, "probs", probs, ("f32",))
     y = C.output(op, "out", out, like=xa, kind="f32", shape=xa.shape, like_name="probs")
@@ -763,8 +812,8 @@ def apply_penalties_(logits, prompt_token_mask, output_token_counts, repetition_
 for _op in (top_k_top_p_sampling_from_logits, top_k_top_p_sampling_from_probs,
             sampling_from_logits, sampling_from_probs, top_k_sampling_from_probs,
             top_p_sampling_from_probs, min_p_sampling_from_probs, top_k_mask_logits,
-            top_k_renorm_probs, top_p_renorm_probs, apply_repetition_penalties_,
-            apply_penalties_):
+            top_k_top_p_mask_logits, top_k_renorm_probs, top_p_renorm_probs,
+            apply_repetition_penalties_, apply_penalties_):
     _op.__doc__ = _op.__doc__.replace("{raises}", _RAISES).replace("{sampling_args}",
                                                                    _SAMPLING_ARGS)
 del _op

@@ -28,7 +28,8 @@ from .numerics import to_dtype
 __all__ = ["apply_repetition_penalties_", "apply_penalties_", "top_k_top_p_sampling_from_logits",
            "top_k_top_p_sampling_from_probs", "sampling_from_logits", "sampling_from_probs",
            "top_k_sampling_from_probs", "top_p_sampling_from_probs", "min_p_sampling_from_probs",
-           "top_k_mask_logits", "top_k_renorm_probs", "top_p_renorm_probs"]
+           "top_k_mask_logits", "top_k_top_p_mask_logits", "top_k_renorm_probs",
+           "top_p_renorm_probs"]
 
 M0, M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
 W0, W1 = np.uint32(0x9E3779B9), np.uint32(0xBB67AE85)
@@ -250,6 +251,26 @@ def top_k_mask_logits(logits, top_k, *, out=None, stream=None):
         kept, _, _ = _row(xs[r], logits=True, k=int(k[r]), p=np.float32(1), t=np.float32(1),
                           mp=np.float32(0), joint=False)
         res[r] = to_dtype(np.where(kept, xs[r], np.float32(-np.inf)), x.dtype)
+    return _into(out, res)
+
+
+def top_k_top_p_mask_logits(logits, top_k, top_p, *, temperature=None, min_p=None,
+                            filter_apply_order="top_k_first", out=None, stream=None):
+    x = np.asarray(logits)
+    R, V = x.shape
+    xs = to_dtype(x, np.float32) if x.dtype != np.float32 else x
+    k = _per_row(0 if top_k is None else top_k, R, np.int64)
+    p = _per_row(1.0 if top_p is None else top_p, R, np.float32)
+    t = _per_row(1.0 if temperature is None else temperature, R, np.float32)
+    mp = _per_row(0.0 if min_p is None else min_p, R, np.float32)
+    res = np.empty((R, V), np.float32)
+    for r in range(R):
+        if t[r] < SAMPLING_EPS:  # greedy: the logits, unfiltered
+            res[r] = xs[r]
+            continue
+        kept, _, s = _row(xs[r], logits=True, k=int(k[r]), p=p[r], t=t[r], mp=mp[r],
+                          joint=filter_apply_order == "joint")
+        res[r] = np.where(kept, s, np.float32(-np.inf))
     return _into(out, res)
 
 
