@@ -196,11 +196,13 @@ def test_cli_rejects_bad_sampling_options_before_loading(argv, message, capsys):
 
 
 @pytest.mark.gpu
-def test_graphed_sampled_decode_equals_the_eager_padded_step(monkeypatch):
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_graphed_sampled_decode_equals_the_eager_padded_step(monkeypatch, mode):
     """On a GPU: the loomnb-cuda sampled decode through CUDA graphs (the offset advanced on the
-    device inside the graph) gives the eager padded step's tokens and logprobs exactly."""
+    device inside the graph) gives the eager padded step's tokens and logprobs exactly, in
+    both logprobs modes."""
     model = tiny_llama("cuda")
-    p = SamplingParams(**HOT, repetition_penalty=1.2, frequency_penalty=0.2)
+    p = SamplingParams(**HOT, repetition_penalty=1.2, frequency_penalty=0.2, logprobs_mode=mode)
     g = model.new_runner("loomnb-cuda", 16).generate(PROMPTS, 12, sampling=p, cuda_graphs=True)
     assert g.cuda_graphs and g.graph_capture_time_s > 0
     with monkeypatch.context() as m:

@@ -103,12 +103,6 @@ def imin(a, b):
     return b if b < a else a
 
 
-@device
-def imax(a, b):
-    """The larger of two integers."""
-    return b if b > a else a
-
-
 if SIM:
     fmaxf = fmax_nan
 else:

@@ -36,9 +36,8 @@ which under the first level's contention made the row kernel 1.6x slower.
   min_p)`` from probabilities.
 
 At each level one block scan over the 256 bins (from the top) gives every bin the weight above
-it; the first bin that reaches the target (a min) and the last non-empty one (a max, taken
-when none reaches it) are folded over each warp, then one shared atomic a warp: one barrier a
-level. **Candidates**: as soon as
+it; the bins that reach the target take a shared atomic min, the non-empty ones an atomic max
+(the last non-empty bin when none reaches it): one barrier a level. **Candidates**: as soon as
 top-k's select finds at most ``CAP = 1024`` eligible elements at or above the prefix found so
 far, one pass copies them into shared memory as uint64 order keys (value, then index: the
 value is recovered from the key), and the remaining levels, top-p over the top-k set and the
@@ -53,8 +52,9 @@ offset_hi)``, word ``i & 3`` for token ``i`` (``salt`` is the row unless every r
 seed); the lowest index wins a tie. A row at temperature ``< 1e-5`` takes the argmax instead
 (the lowest index of the largest non-NaN logit). ``mask`` writes the logits with the dropped
 tokens at ``-inf``; ``processed`` writes fp32 ``s = r32(x / T)`` for the kept tokens and
-``-inf`` elsewhere (a row at temperature ``< 1e-5``: its logits, unfiltered); ``renorm`` writes ``r32(p / r32(S))`` for the kept tokens and 0 elsewhere,
-``S`` their float64 sum (a block reduction in thread order: deterministic).
+``-inf`` elsewhere (a row at temperature ``< 1e-5``: its logits, unfiltered); ``renorm``
+writes ``r32(p / r32(S))`` for the kept tokens and 0 elsewhere, ``S`` their float64 sum (a
+block reduction in thread order: deterministic).
 """
 
 from __future__ import annotations
@@ -70,9 +70,9 @@ from .._numba_internals import device
 from ..layouts.dtypes import f32_bits
 from . import _launch as L
 from ._philox import gumbel, philox
-from ._reduce import (REDUCE_SCRATCH, block_max_u64, block_reduce, block_scan, group_reduce,
-                      imax, imin, key_index, key_value, last_block, mul_rn, order_key, umax,
-                      wide_add, wide_get)
+from ._reduce import (REDUCE_SCRATCH, block_max_u64, block_reduce, block_scan,
+                      key_index, key_value, last_block, mul_rn, order_key, umax, wide_add,
+                      wide_get)
 from ._vector import CODECS, UNIT_ELEMS, row_loader
 
 KINDS = ("f32", "bf16", "f16")
@@ -433,25 +433,6 @@ def _row_parts(kind, source, layout):
         v_processed=v_processed, v_sum=v_sum, v_renorm=v_renorm)
 
 
-_warp_min_i32 = group_reduce(imin, 32)
-_warp_max_i32 = group_reduce(imax, 32)
-
-
-@device
-def _bins_found(res, r0, fnd, lst):
-    """Folds every thread's first bin reaching the target (``fnd``, ``NO_BIN``: none) and last
-    non-empty bin (``lst``, -1: none) into ``res[r0]`` (a min) and ``res[r0 + 1]`` (a max): a
-    warp's own in one lane, then one shared atomic a warp (atomics of a block on one word
-    serialize). Every thread of the block calls it."""
-    fnd = _warp_min_i32(fnd)
-    lst = _warp_max_i32(lst)
-    if (cuda.threadIdx.x & 31) == 0:
-        if fnd != NO_BIN:
-            cuda.atomic.min(res, r0, fnd)
-        if lst >= 0:
-            cuda.atomic.max(res, r0 + 1, lst)
-
-
 def row_kernel(spec):
     """The ``@cuda.jit`` function of ``spec``. Parameters: ``x [R, V]`` (storage dtype; layout
     "vec": its rows as uint32 words), ``ids [R]`` int32 (sample), ``y [R, V]`` (mask: logits
@@ -538,15 +519,12 @@ def row_kernel(spec):
             if mass and level == 0:
                 target = float64(p) * float64(run)  # run: the candidates' whole mass
             # the first bin whose running total reaches the target; the last non-empty one
-            fnd = int32(NO_BIN)
-            lst = int32(-1)
             for j in range(tid, BINS, nt):
                 c = tot[j]
                 if c > 0:
-                    if fnd == NO_BIN and float64(above[j] + c) >= target:
-                        fnd = int32(j)
-                    lst = int32(j)
-            _bins_found(res, r0, fnd, lst)
+                    if float64(above[j] + c) >= target:
+                        cuda.atomic.min(res, r0, int32(j))
+                    cuda.atomic.max(res, r0 + 1, int32(j))
             cuda.syncthreads()
             found = int64(res[r0])
             if found == NO_BIN:
@@ -805,18 +783,15 @@ def _split_select(hist, st, stf, row, h, level, target, mass, lo, above, res, sc
         else:
             t = stf[row, F_TARGET]
     run = base + before
-    fnd = int32(NO_BIN)
-    lst = int32(-1)
     for q in range(bpt):
         j = j0 + q
         c = above[j]
         above[j] = run
         if c > 0:
-            if fnd == NO_BIN and float64(run + c) >= t:
-                fnd = int32(j)
-            lst = int32(j)
+            if float64(run + c) >= t:
+                cuda.atomic.min(res, 0, int32(j))
+            cuda.atomic.max(res, 1, int32(j))
         run += c
-    _bins_found(res, 0, fnd, lst)
     cuda.syncthreads()
     found = int64(res[0])
     if found == NO_BIN:

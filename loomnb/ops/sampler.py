@@ -74,8 +74,8 @@ from ._torch_ops import torch_op
 __all__ = ["top_k_top_p_sampling_from_logits", "top_k_top_p_sampling_from_probs",
            "sampling_from_logits", "sampling_from_probs", "top_k_sampling_from_probs",
            "top_p_sampling_from_probs", "min_p_sampling_from_probs", "top_k_mask_logits",
-           "top_k_top_p_mask_logits", "top_k_renorm_probs", "top_p_renorm_probs", "apply_repetition_penalties_",
-           "apply_penalties_", "chain_speculative_sampling"]
+           "top_k_top_p_mask_logits", "top_k_renorm_probs", "top_p_renorm_probs",
+           "apply_repetition_penalties_", "apply_penalties_", "chain_speculative_sampling"]
 
 LOGITS_KINDS = ("f32", "bf16", "f16")
 THREADS = 512                 # threads of a row block (fewer for short rows)
@@ -387,6 +387,14 @@ _RAISES = """Raises ``LoomnbTypeError`` (a ``TypeError``) for a wrong dtype, a h
     Parameter values on the device (a top-k tensor...) are not read: any value is defined above.
     Zero rows is a no-op."""
 
+_FILTER_ARGS = """logits: ``[num_rows, vocab_size]`` fp32, bf16 or fp16, last dimension
+            contiguous, any row stride; ``vocab_size <= 2^21``. Not modified.
+        top_k: an int, or a ``[num_rows]`` int32 tensor; ``<= 0`` or ``>= vocab_size``: off.
+        top_p: a float, or a ``[num_rows]`` fp32 tensor; ``>= 1``: off.
+        temperature: optional float or ``[num_rows]`` fp32 tensor (default 1).
+        min_p: optional float or ``[num_rows]`` fp32 tensor (default 0: off).
+        filter_apply_order: ``"top_k_first"`` (default) or ``"joint"``."""
+
 _SAMPLING_ARGS = """deterministic: accepted for FlashInfer's signature; the sample is always
             deterministic for a given seed.
         generator: optional ``torch.Generator`` the seed is drawn from (when ``seed`` is None).
@@ -413,13 +421,7 @@ def top_k_top_p_sampling_from_logits(logits, top_k, top_p, *, temperature=None, 
     with ``filter_apply_order="joint"``); rows with ``T < 1e-5`` take the argmax.
 
     Args:
-        logits: ``[num_rows, vocab_size]`` fp32, bf16 or fp16, last dimension contiguous, any
-            row stride; ``vocab_size <= 2^21``. Not modified.
-        top_k: an int, or a ``[num_rows]`` int32 tensor; ``<= 0`` or ``>= vocab_size``: off.
-        top_p: a float, or a ``[num_rows]`` fp32 tensor; ``>= 1``: off.
-        temperature: optional float or ``[num_rows]`` fp32 tensor (default 1).
-        min_p: optional float or ``[num_rows]`` fp32 tensor (default 0: off).
-        filter_apply_order: ``"top_k_first"`` (default) or ``"joint"``.
+        {filter_args}
         {sampling_args}
 
     Returns ``out``: ``[num_rows]`` int32 token ids. Mutates only ``out``.
@@ -619,13 +621,7 @@ def top_k_top_p_mask_logits(logits, top_k, top_p, *, temperature=None, min_p=Non
     logits, ``-inf`` for a dropped token.
 
     Args:
-        logits: ``[num_rows, vocab_size]`` fp32, bf16 or fp16, last dimension contiguous, any
-            row stride; ``vocab_size <= 2^21``. Not modified.
-        top_k: an int, or a ``[num_rows]`` int32 tensor; ``<= 0`` or ``>= vocab_size``: off.
-        top_p: a float, or a ``[num_rows]`` fp32 tensor; ``>= 1``: off.
-        temperature: optional float or ``[num_rows]`` fp32 tensor (default 1).
-        min_p: optional float or ``[num_rows]`` fp32 tensor (default 0: off).
-        filter_apply_order: ``"top_k_first"`` (default) or ``"joint"``.
+        {filter_args}
         out: optional ``[num_rows, vocab_size]`` fp32 output; allocated when None.
         stream: CUDA stream; default the caller's current stream.
 
@@ -814,8 +810,9 @@ for _op in (top_k_top_p_sampling_from_logits, top_k_top_p_sampling_from_probs,
             top_p_sampling_from_probs, min_p_sampling_from_probs, top_k_mask_logits,
             top_k_top_p_mask_logits, top_k_renorm_probs, top_p_renorm_probs,
             apply_repetition_penalties_, apply_penalties_):
-    _op.__doc__ = _op.__doc__.replace("{raises}", _RAISES).replace("{sampling_args}",
-                                                                   _SAMPLING_ARGS)
+    _op.__doc__ = (_op.__doc__.replace("{raises}", _RAISES)
+                   .replace("{sampling_args}", _SAMPLING_ARGS)
+                   .replace("{filter_args}", _FILTER_ARGS))
 del _op
 
 

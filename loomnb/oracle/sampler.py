@@ -157,14 +157,20 @@ def _row(x, *, logits, k, p, t, mp, joint):
     return elig & (key >= lo), im, s
 
 
+def _rows_and_params(x, top_k, top_p, temperature, min_p):
+    """``(fp32 rows, k, p, T, min_p)``: the rows and each parameter a row (None: off)."""
+    R = x.shape[0]
+    return (to_dtype(x, np.float32) if x.dtype != np.float32 else x,
+            _per_row(0 if top_k is None else top_k, R, np.int64),
+            _per_row(1.0 if top_p is None else top_p, R, np.float32),
+            _per_row(1.0 if temperature is None else temperature, R, np.float32),
+            _per_row(0.0 if min_p is None else min_p, R, np.float32))
+
+
 def _sample(x, logits, top_k, top_p, temperature, min_p, order, seed, offset):
     x = np.asarray(x)
     R, V = x.shape
-    xs = to_dtype(x, np.float32) if x.dtype != np.float32 else x
-    k = _per_row(0 if top_k is None else top_k, R, np.int64)
-    p = _per_row(1.0 if top_p is None else top_p, R, np.float32)
-    t = _per_row(1.0 if temperature is None else temperature, R, np.float32)
-    mp = _per_row(0.0 if min_p is None else min_p, R, np.float32)
+    xs, k, p, t, mp = _rows_and_params(x, top_k, top_p, temperature, min_p)
     if seed is None:
         seed = int(np.random.randint(0, 2 ** 62))
     sa = np.asarray(seed, np.int64).reshape(-1)
@@ -258,11 +264,7 @@ def top_k_top_p_mask_logits(logits, top_k, top_p, *, temperature=None, min_p=Non
                             filter_apply_order="top_k_first", out=None, stream=None):
     x = np.asarray(logits)
     R, V = x.shape
-    xs = to_dtype(x, np.float32) if x.dtype != np.float32 else x
-    k = _per_row(0 if top_k is None else top_k, R, np.int64)
-    p = _per_row(1.0 if top_p is None else top_p, R, np.float32)
-    t = _per_row(1.0 if temperature is None else temperature, R, np.float32)
-    mp = _per_row(0.0 if min_p is None else min_p, R, np.float32)
+    xs, k, p, t, mp = _rows_and_params(x, top_k, top_p, temperature, min_p)
     res = np.empty((R, V), np.float32)
     for r in range(R):
         if t[r] < SAMPLING_EPS:  # greedy: the logits, unfiltered
