@@ -184,8 +184,10 @@ def test_teacher_forcing_does_not_sample():
     (["--temperature", "0.7", "--speculative", "ngram", "--check-reference"],
      "--check-reference cannot compare them"),
     (["--presence-penalty", "3"], r"--presence-penalty must be in \[-2, 2\]"),
-    (["--temperature", "0.7", "--speculative", "ngram", "--logprobs-mode", "processed_logprobs"],
-     "gives raw logprobs only"),
+    (["--temperature", "0.7", "--speculative", "ngram", "--logprobs", "--logprobs-mode",
+      "processed_logprobs"], "gives raw logprobs only"),
+    (["--logprobs-mode", "processed_logprobs"], "--logprobs-mode chooses what --logprobs "
+                                                "reports"),
 ])
 def test_cli_rejects_bad_sampling_options_before_loading(argv, message, capsys):
     rc = main(["generate", "--prompt", "hi", *argv])

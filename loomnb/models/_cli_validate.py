@@ -122,6 +122,10 @@ def _check_sampling(args):
     alike."""
     from .sampling_params import SamplingParams
 
+    if getattr(args, "logprobs_mode", None) is not None and not getattr(args, "logprobs", False):
+        raise UsageError("--logprobs-mode chooses what --logprobs reports; add --logprobs or "
+                         "leave it out")
+
     names = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty",
              "frequency_penalty", "presence_penalty", "logprobs_mode")
     try:
@@ -132,8 +136,8 @@ def _check_sampling(args):
     if p.is_greedy:
         return None
     if args.speculative and p.logprobs_mode != "raw_logprobs":
-        raise UsageError("--speculative ngram with sampling gives raw logprobs only; leave out "
-                         "--logprobs-mode or --speculative")
+        raise UsageError("--speculative ngram with sampling gives raw logprobs only; use "
+                         "--logprobs-mode raw_logprobs (the default) or leave out --speculative")
     if args.speculative and p.penalized:
         raise UsageError("--speculative ngram samples without penalties; leave out "
                          "--repetition-penalty, --frequency-penalty and --presence-penalty, or "

@@ -219,12 +219,13 @@ def build_parser(prog: str = "loomnb") -> argparse.ArgumentParser:
                    help="keep tokens at least P times as likely as the most likely one, in "
                         "[0, 1] (default: 0, off)")
     s.add_argument("--logprobs-mode", choices=("raw_logprobs", "processed_logprobs"),
-                   default="raw_logprobs",
+                   default=None,
                    help="with --logprobs: the sampled token's logprob and rank under the raw "
                         "logits, or under the processed ones: after the penalties, divided by "
                         "T, the tokens min-p / top-k / top-p drop at -inf "
                         "(loomnb.top_k_top_p_mask_logits), as vLLM's logprobs_mode. Greedy "
-                        "decoding without penalties: the same (default: raw_logprobs)")
+                        "decoding without penalties gives the same in both modes; sampled "
+                        "--speculative gives raw_logprobs only (default: raw_logprobs)")
     s.add_argument("--seed", type=int, default=None, metavar="N",
                    help="the draws' seed, for every prompt alike (default: a fresh seed per "
                         "prompt)")

@@ -612,9 +612,14 @@ def top_k_top_p_mask_logits(logits, top_k, top_p, *, temperature=None, min_p=Non
                             filter_apply_order="top_k_first", out=None, stream=None,
                             launch_key=None):
     """The processed logits a sample draws from: ``out[r, i] = r32(logits[r, i] / T_r)`` for the
-    tokens :func:`top_k_top_p_sampling_from_logits` keeps with the same arguments (min-p, then
-    top-k, then top-p, as there), ``-inf`` elsewhere (NaN included); a row with ``T < 1e-5``
-    gets its logits unchanged and unfiltered (vLLM's greedy rows: temperature 1, no filter).
+    tokens :func:`top_k_top_p_sampling_from_logits` keeps with the same arguments, ``-inf``
+    elsewhere (a NaN logit is never kept); a row with ``T < 1e-5`` gets its logits unchanged
+    and unfiltered (vLLM's greedy rows: temperature 1, no filter). The kept set, as there:
+    min-p keeps ``w_i = expf(r32(x_i / T) - r32(x_max / T)) >= min_p``; top-k the values ``>=``
+    the ``k``-th largest of those (ties kept); top-p the smallest most-likely set whose mass
+    reaches ``top_p`` of the top-k set's (``filter_apply_order="joint"``: of the min-p set's),
+    the crossing token and its ties included; ``top_p <= 0`` keeps the largest and its ties.
+    A loomnb op (FlashInfer has ``top_k_mask_logits`` only).
 
     With ``selected_token_logprob_rank(out, token_ids)`` this gives vLLM's
     ``logprobs_mode="processed_logprobs"``: the log-softmax of the temperature-scaled, masked
