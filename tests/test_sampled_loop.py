@@ -179,8 +179,6 @@ def test_teacher_forcing_does_not_sample():
 @pytest.mark.parametrize("argv, message", [
     (["--top-p", "1.5"], r"--top-p must be in \(0, 1\]; got 1.5"),
     (["--temperature", "-1"], "--temperature must be >= 0"),
-    (["--temperature", "0.7", "--presence-penalty", "1", "--speculative", "ngram"],
-     "--speculative ngram samples without penalties"),
     (["--temperature", "0.7", "--speculative", "ngram", "--check-reference"],
      "--check-reference cannot compare them"),
     (["--presence-penalty", "3"], r"--presence-penalty must be in \[-2, 2\]"),
@@ -253,8 +251,54 @@ def test_chain_speculative_is_reproducible_and_accepts_drafts():
     assert "chain_speculative_sampling" in a.loomnb_ops
     # the torch reference samples through the same oracles: the same tokens
     assert _speculative(model, prompts, 10, p, backend="torch-reference").token_ids == a.token_ids
-    with pytest.raises(ValueError, match="takes no penalties"):
-        _speculative(model, prompts, 4, SamplingParams(temperature=1.0, presence_penalty=1.0))
+
+
+def test_speculative_sampling_penalises_each_position_with_the_drafts_before_it():
+    """With penalties, row j of a sequence's pass is penalised with the sequence's counts plus
+    its drafts 0..j-1 (vLLM's rejection sampler), bit for bit the oracle's penalties of those
+    counts; the emitted tokens are counted. End to end: num_speculative_tokens=0 gives the plain
+    penalised loop's tokens, drafts are accepted, and the torch reference agrees."""
+    from loomnb.models.speculative import SpeculativeRunner, _Pass
+
+    V, k = 30, 3
+    p = SamplingParams(temperature=0.9, seed=2, repetition_penalty=1.4, frequency_penalty=0.5,
+                       presence_penalty=0.3)
+    st = SamplerState(p, 2, V, "cpu")
+    st.load([[1, 2], [3]])
+    st.output_counts[0, 5] = 2
+    logits = torch.randn(2 * (k + 1), V, generator=torch.Generator().manual_seed(3))
+    drafts = torch.tensor([7, 5, -1, 9, 9, 4], dtype=torch.int32)
+    counter = tiny_llama(num_layers=1)
+    ps = _Pass(SpeculativeRunner(counter, LoomnbCpuOps(), 16), torch.zeros(2, 4, dtype=torch.int32),
+               k, False, 0, sampler=st)
+    got = st.penalized_pass_logits(LoomnbCpuOps(), logits, ps.row_seq, ps.pos_rows,
+                                   ps.pos_drafts, drafts)
+    for s in range(2):
+        for j in range(k + 1):
+            counts = st.output_counts[s].clone()
+            for d in drafts[s * k: s * k + j].tolist():
+                if d >= 0:
+                    counts[d] += 1
+            want = logits[s * (k + 1) + j].numpy().copy()[None]
+            oracle.apply_penalties_(want, st.prompt_mask[s:s + 1].numpy(), counts[None].numpy(),
+                                    *(np.array([v], np.float32) for v in (1.4, 0.5, 0.3)))
+            assert np.array_equal(got[s * (k + 1) + j].numpy().view(np.uint32),
+                                  want[0].view(np.uint32)), (s, j)
+    st.count(torch.tensor([[7, 5, -1, -1], [9, -1, -1, -1]]))
+    assert st.output_counts[0, 7] == 1 and st.output_counts[0, 5] == 3
+    assert st.output_counts[1, 9] == 1 and int(st.output_counts.sum()) == 5
+
+    counter.layers[0].o_proj.zero_()
+    counter.layers[0].down_proj.zero_()
+    counter.lm_head = torch.roll(counter.embed_tokens, 1, 0).contiguous()
+    prompts = [[1, 2, 3, 4, 5, 6, 1, 2], [5, 6, 5, 6, 5]]
+    hot = SamplingParams(temperature=0.2, seed=1, frequency_penalty=0.1)
+    plain = counter.new_runner("loomnb-cpu", 16).generate(prompts, 6, sampling=hot)
+    assert _speculative(counter, prompts, 6, hot, k=0).token_ids == plain.token_ids
+    a = _speculative(counter, prompts, 6, hot)
+    assert a.num_accepted_tokens > 0
+    assert _speculative(counter, prompts, 6, hot, backend="torch-reference").token_ids == \
+        a.token_ids == _speculative(counter, prompts, 6, hot).token_ids
 
 
 @pytest.mark.parametrize("k, p, mp, t", [(0, 1.0, 0.0, 1.0), (6, 1.0, 0.0, 0.7),

@@ -189,7 +189,7 @@ def build_parser(prog: str = "loomnb") -> argparse.ArgumentParser:
                    help="speculative decoding with prompt-lookup (n-gram) drafts verified on the "
                         "device by loomnb.greedy_verify; the tokens equal plain greedy decoding's, "
                         "and the acceptance rate and tokens per target pass are reported. With "
-                        "the sampling options (no penalties) the drafts are verified by "
+                        "the sampling options the drafts are verified by "
                         "loomnb.chain_speculative_sampling: the tokens follow plain sampling's "
                         "distribution, drawn from other random streams (default: off)")
     g.add_argument("--num-speculative-tokens", type=_positive_int, default=None, metavar="K",

@@ -200,13 +200,37 @@ class SamplerState:
         """The next step's draws: ``offset += 1``."""
         self.offset.add_(1)
 
+    def penalized_pass_logits(self, ops, logits, row_seq, pos_rows, pos_drafts, drafts):
+        """The logits of a speculative pass penalised position by position (vLLM's rejection
+        sampler): row ``r`` of ``logits`` ``[n, V]`` belongs to sequence ``row_seq[r]`` (int64
+        ``[n]``) and is penalised with that sequence's prompt mask and output counts plus the
+        drafts before its position, the pairs ``(pos_rows[i], drafts[pos_drafts[i]])`` (int64
+        index tensors; ``drafts`` int32, a placeholder ``< 0`` counts nothing). Returns a
+        fresh fp32 ``[n, V]``; mutates nothing. Device work only (capturable)."""
+        x = logits.to(torch.float32, copy=True)
+        counts = self.output_counts.index_select(0, row_seq)
+        d = drafts.index_select(0, pos_drafts)
+        counts.index_put_((pos_rows, d.clamp(min=0).long()), (d >= 0).to(torch.int32),
+                          accumulate=True)
+        rep, freq, pres = (t.index_select(0, row_seq) for t in self._penalties)
+        ops.apply_penalties_(x, self.prompt_mask.index_select(0, row_seq), counts, rep, freq,
+                             pres)
+        return x
+
+    def count(self, token_ids) -> None:
+        """``output_counts[s, t] += 1`` for every token ``t >= 0`` of row ``s`` of
+        ``token_ids`` ``[rows, m]`` (int32 or int64; ``< 0``: padding)."""
+        self.output_counts.scatter_add_(1, token_ids.clamp(min=0).long(),
+                                        (token_ids >= 0).to(torch.int32))
+
     def target_probs(self, logits):
         """The target distribution speculative sampling verifies drafts against (vLLM's
         rejection sampler on sampled requests): fp32 ``softmax(logits / T)`` ``[n, V]``, min-p,
         top-k (the k-th largest probability and its ties) and top-p (the smallest most-likely
         prefix reaching ``top_p`` in descending order, the crossing token included; torch's
         sort and cumulative sum, as vLLM's torch path) zeroed, renormalised. Torch ops on the
-        device (capturable); penalties are not applied (speculation takes none)."""
+        device (capturable); ``logits`` as given (penalised by the caller:
+        :meth:`penalized_pass_logits`)."""
         p = self.params
         x = logits.float() / max(p.temperature, SAMPLING_EPS)
         probs = torch.softmax(x, dim=-1)

@@ -188,6 +188,14 @@ class _Pass:
         self.drafts = torch.full((R * k,), PLACEHOLDER, dtype=torch.int32, device=dev)
         self.bonus = torch.zeros((R, 1), dtype=torch.int32, device=dev)
         i32 = dict(dtype=torch.int32, device=dev)
+        if sampler is not None and sampler.params.penalized and k > 0:
+            # row s * (k + 1) + j is penalised with the counts of sequence s and drafts 0..j-1
+            pairs = [(j, i) for j in range(1, k + 1) for i in range(j)]
+            self.row_seq = torch.arange(R, device=dev).repeat_interleave(k + 1)
+            self.pos_rows = torch.tensor([s * (k + 1) + j for s in range(R) for j, _ in pairs],
+                                         dtype=torch.long, device=dev)
+            self.pos_drafts = torch.tensor([s * k + i for s in range(R) for _, i in pairs],
+                                           dtype=torch.long, device=dev)
         if sampler is not None:  # one-hot-draft sampling's compaction of the emitted tokens
             self.j = torch.arange(k + 1, device=dev)
             self.cu_s = torch.zeros(R + 1, **i32)
@@ -239,10 +247,16 @@ class _Pass:
             rows = ids.view(R, 1).to(torch.int32)
             num = torch.ones(R, dtype=torch.int32, device=self.dev)
         else:
-            probs = st.target_probs(logits).view(R, k + 1, -1)
+            x = logits
+            if st.params.penalized:
+                x = st.penalized_pass_logits(r.ops, logits, self.row_seq, self.pos_rows,
+                                             self.pos_drafts, self.drafts)
+            probs = st.target_probs(x).view(R, k + 1, -1)
             rows, _, emitted = r.ops.chain_speculative_sampling(
                 None, self.drafts.view(R, k), probs, st.seeds, st.offset)
             num = (emitted + 1).to(torch.int32)
+            if st.params.penalized:
+                st.count(rows)  # the emitted tokens (-1 padding after them)
         st.advance()
         self.cu_s[1:] = torch.cumsum(num, 0)
         valid = self.j.view(1, -1) < num.view(-1, 1)
@@ -260,17 +274,23 @@ class _Pass:
 
     def _step(self):
         """The pass on the device: eager, or the graph (captured at its first use, on the inputs
-        then loaded: the warm-up run computes this very pass, the replay redoes it)."""
+        then loaded: the warm-up run computes this very pass, the replay redoes it; the
+        sampler's offset and counts are put back after the warm-up, so the pass draws and
+        counts once)."""
         if not self.cuda_graph:
             self._body()
             return
         if self.graph is None:
             t0 = time.perf_counter()
+            mutable = self.sampler.mutable() if self.sampler is not None else ()
+            kept = [t.clone() for t in mutable]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 self._body()  # compiles the kernels, remembers their launches
             torch.cuda.current_stream().wait_stream(side)
+            for t, saved in zip(mutable, kept):
+                t.copy_(saved)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
                 self._body()
@@ -344,11 +364,12 @@ class SpeculativeRunner(ModelRunner):
         num_seqs * num_hidden_layers)`` during the prefill, then ``("decode", steps done,
         max_new_tokens - 1)`` after each pass (steps: the slowest sequence's tokens after the
         first). ``sampling`` (a :class:`~loomnb.models.sampling_params.SamplingParams` other
-        than greedy, without penalties): the first token is the sampler's draw and every pass
-        verifies its drafts by ``chain_speculative_sampling`` against the sampling
-        distribution (``SamplerState.target_probs``): the tokens are distributed as plain
-        sampling's (the rejection-sampling theorem), not equal to them; reproducible with a
-        seed. Raises ``ValueError`` for bad arguments."""
+        than greedy): the first token is the sampler's draw and every pass verifies its drafts
+        by ``chain_speculative_sampling`` against the sampling distribution
+        (``SamplerState.target_probs``), each position's logits penalised with the output so
+        far and the drafts before it (vLLM's rejection sampler): the tokens are distributed
+        as plain sampling's (the rejection-sampling theorem), not equal to them; reproducible
+        with a seed. Raises ``ValueError`` for bad arguments."""
         k = num_speculative_tokens
         if sampling is not None and sampling.is_greedy:
             sampling = None
@@ -356,9 +377,6 @@ class SpeculativeRunner(ModelRunner):
             raise ValueError("speculative sampling gives raw logprobs only (its target "
                              "distribution is not the sampler's kept set); got logprobs_mode="
                              f"{sampling.logprobs_mode!r}")
-        if sampling is not None and sampling.penalized:
-            raise ValueError("speculative sampling takes no penalties (the drafts' positions "
-                             "would need the counts of the tokens before them)")
         if max_new_tokens < 1 or any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("need max_new_tokens >= 1 and non-empty prompts")
         if not (isinstance(k, int) and 0 <= k <= 128):
