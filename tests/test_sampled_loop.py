@@ -4,6 +4,7 @@ padded or not, on the loomnb oracles and the torch reference), the state's bookk
 ``loomnb generate``'s sampling options. Tiny random-weight models, no GGUF (one CLI case with
 the GGUF is in test_model.py's style, skipped without it)."""
 
+import math
 import re
 
 import numpy as np
@@ -182,8 +183,6 @@ def test_teacher_forcing_does_not_sample():
     (["--temperature", "0.7", "--speculative", "ngram", "--check-reference"],
      "--check-reference cannot compare them"),
     (["--presence-penalty", "3"], r"--presence-penalty must be in \[-2, 2\]"),
-    (["--temperature", "0.7", "--speculative", "ngram", "--logprobs", "--logprobs-mode",
-      "processed_logprobs"], "gives raw logprobs only"),
     (["--logprobs-mode", "processed_logprobs"], "--logprobs-mode chooses what --logprobs "
                                                 "reports"),
 ])
@@ -299,6 +298,31 @@ def test_speculative_sampling_penalises_each_position_with_the_drafts_before_it(
     assert a.num_accepted_tokens > 0
     assert _speculative(counter, prompts, 6, hot, backend="torch-reference").token_ids == \
         a.token_ids == _speculative(counter, prompts, 6, hot).token_ids
+
+
+def test_speculative_processed_logprobs_are_the_verifiers():
+    """logprobs_mode="processed_logprobs" with speculation: the same tokens as raw mode; a
+    pass without drafts gives the plain loop's processed logprobs exactly; a draft pass the
+    log-softmax of the verifier's kept logits over T (``SamplerState.target_logits``), so
+    each emitted token's processed logprob is finite and at least its raw one here (T < 1,
+    tokens dropped)."""
+    import dataclasses
+
+    counter = tiny_llama(num_layers=1)
+    counter.layers[0].o_proj.zero_()
+    counter.layers[0].down_proj.zero_()
+    counter.lm_head = torch.roll(counter.embed_tokens, 1, 0).contiguous()
+    prompts = [[1, 2, 3, 4, 5, 6, 1, 2], [5, 6, 5, 6, 5]]
+    raw = SamplingParams(temperature=0.5, top_k=8, seed=3, presence_penalty=0.2)
+    pro = dataclasses.replace(raw, logprobs_mode="processed_logprobs")
+    plain = counter.new_runner("loomnb-cpu", 16).generate(prompts, 6, sampling=pro)
+    k0 = _speculative(counter, prompts, 6, pro, k=0)
+    assert k0.token_ids == plain.token_ids and k0.token_logprobs == plain.token_logprobs
+    a, b = _speculative(counter, prompts, 6, raw), _speculative(counter, prompts, 6, pro)
+    assert a.token_ids == b.token_ids and b.num_accepted_tokens > 0
+    for lr, lp in zip(a.token_logprobs, b.token_logprobs):
+        assert all(math.isfinite(y) and y >= x - 1e-6 for x, y in zip(lr, lp)), (lr, lp)
+    assert "top_k_top_p_mask_logits" in b.loomnb_ops
 
 
 @pytest.mark.parametrize("k, p, mp, t", [(0, 1.0, 0.0, 1.0), (6, 1.0, 0.0, 0.7),

@@ -135,9 +135,6 @@ def _check_sampling(args):
         raise UsageError(f"--{str(e).replace('_', '-')}") from None
     if p.is_greedy:
         return None
-    if args.speculative and p.logprobs_mode != "raw_logprobs":
-        raise UsageError("--speculative ngram with sampling gives raw logprobs only; use "
-                         "--logprobs-mode raw_logprobs (the default) or leave out --speculative")
     if args.speculative and args.check_reference:
         raise UsageError("--speculative with sampling draws other tokens than plain sampling "
                          "(the same distribution, other random streams): --check-reference "
@@ -158,7 +155,7 @@ def validate(args) -> Plan:
     ``--num-speculative-tokens`` comes with ``--speculative``, which comes without
     ``--kv-cache-dtype fp8``, ``--batch-sizes`` and ``--prefix-caching``; the device and
     backend can run here; the sampling options are in vLLM's ranges, with
-    ``--speculative`` without ``--check-reference`` or processed logprobs, and with a torch backend on CUDA not with CUDA graphs; the GGUF is a
+    ``--speculative`` without ``--check-reference``, and with a torch backend on CUDA not with CUDA graphs; the GGUF is a
     readable llama GGUF (header only, and the file holds
     every tensor it lists); with ``--chat`` it has the ChatML template; each prompt's tokens
     plus ``--max-new-tokens`` fit the model's context.

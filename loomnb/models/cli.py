@@ -224,8 +224,9 @@ def build_parser(prog: str = "loomnb") -> argparse.ArgumentParser:
                         "logits, or under the processed ones: after the penalties, divided by "
                         "T, the tokens min-p / top-k / top-p drop at -inf "
                         "(loomnb.top_k_top_p_mask_logits), as vLLM's logprobs_mode. Greedy "
-                        "decoding without penalties gives the same in both modes; sampled "
-                        "--speculative gives raw_logprobs only (default: raw_logprobs)")
+                        "decoding without penalties gives the same in both modes; with "
+                        "sampled --speculative the kept set is the verifier's (default: "
+                        "raw_logprobs)")
     s.add_argument("--seed", type=int, default=None, metavar="N",
                    help="the draws' seed, for every prompt alike (default: a fresh seed per "
                         "prompt)")

@@ -200,6 +200,16 @@ class SamplerState:
         """The next step's draws: ``offset += 1``."""
         self.offset.add_(1)
 
+    def target_logits(self, logits, probs):
+        """The processed logits of a speculative pass (``logprobs_mode="processed_logprobs"``):
+        fp32 ``logits / T`` where ``probs`` (:meth:`target_probs` of these ``logits``) is
+        positive, ``-inf`` elsewhere; at a greedy temperature the logits themselves (vLLM's
+        greedy rows). A fresh ``[n, V]``."""
+        x = logits.float()
+        if self.params.temperature < SAMPLING_EPS:
+            return x
+        return torch.where(probs > 0, x / self.params.temperature, -math.inf)
+
     def penalized_pass_logits(self, ops, logits, row_seq, pos_rows, pos_drafts, drafts):
         """The logits of a speculative pass penalised position by position (vLLM's rejection
         sampler): row ``r`` of ``logits`` ``[n, V]`` belongs to sequence ``row_seq[r]`` (int64

@@ -242,10 +242,12 @@ class _Pass:
         emitted tokens compacted as ``greedy_verify`` compacts them, the offset advanced."""
         r, R, k, st = self.runner, self.num_seqs, self.k, self.sampler
         n_tok = R * (k + 1)
+        lps = None  # the emitted tokens' logprobs, when not those of the raw logits
         if k == 0:
-            ids, _, _ = st.sample(r.ops, logits)
+            ids, lp, rank = st.sample(r.ops, logits)  # in the sampler's logprobs mode
             rows = ids.view(R, 1).to(torch.int32)
             num = torch.ones(R, dtype=torch.int32, device=self.dev)
+            lps = (lp, rank)
         else:
             x = logits
             if st.params.penalized:
@@ -257,6 +259,10 @@ class _Pass:
             num = (emitted + 1).to(torch.int32)
             if st.params.penalized:
                 st.count(rows)  # the emitted tokens (-1 padding after them)
+            if self.logprobs and st.params.logprobs_mode == "processed_logprobs":
+                toks = rows.reshape(-1).clamp(min=0).to(torch.long)
+                lps = r.ops.selected_token_logprob_rank(
+                    st.target_logits(x, probs.view(n_tok, -1)), toks)
         st.advance()
         self.cu_s[1:] = torch.cumsum(num, 0)
         valid = self.j.view(1, -1) < num.view(-1, 1)
@@ -270,7 +276,7 @@ class _Pass:
             self.tops = (top.indices, top.values)
         if self.logprobs:  # each row's emitted token (padding rows: token 0, never read)
             toks = rows.reshape(-1).clamp(min=0).to(torch.long)
-            self.lps = r.ops.selected_token_logprob_rank(logits, toks)
+            self.lps = lps if lps is not None else r.ops.selected_token_logprob_rank(logits, toks)
 
     def _step(self):
         """The pass on the device: eager, or the graph (captured at its first use, on the inputs
@@ -373,10 +379,6 @@ class SpeculativeRunner(ModelRunner):
         k = num_speculative_tokens
         if sampling is not None and sampling.is_greedy:
             sampling = None
-        if sampling is not None and sampling.logprobs_mode != "raw_logprobs":
-            raise ValueError("speculative sampling gives raw logprobs only (its target "
-                             "distribution is not the sampler's kept set); got logprobs_mode="
-                             f"{sampling.logprobs_mode!r}")
         if max_new_tokens < 1 or any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("need max_new_tokens >= 1 and non-empty prompts")
         if not (isinstance(k, int) and 0 <= k <= 128):
@@ -523,8 +525,10 @@ class SpeculativeRunner(ModelRunner):
         return SpeculativeResult(
             prompt_token_ids=[list(p) for p in prompts], token_ids=token_ids,
             backend=self.ops.name, loomnb_ops=tuple(self.ops.loomnb_ops) + (
-                () if not self.ops.loomnb_ops else SPECULATIVE_SAMPLER_OPS if state is not None
-                else ("greedy_verify",) if dev.type == "cuda" else ()),
+                () if not self.ops.loomnb_ops else SPECULATIVE_SAMPLER_OPS + (
+                    ("top_k_top_p_mask_logits",)  # the processed logprobs of k = 0 passes
+                    if state.params.logprobs_mode == "processed_logprobs" else ())
+                if state is not None else ("greedy_verify",) if dev.type == "cuda" else ()),
             prefill_time_s=t1 - t0, decode_time_s=t2 - t1,
             num_prefill_tokens=sum(len(p) for p in prompts),
             num_decode_tokens=sum(len(t) - 1 for t in token_ids), top_logits=top_logits,
