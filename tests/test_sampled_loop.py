@@ -215,6 +215,19 @@ def test_graphed_sampled_decode_equals_the_eager_padded_step(monkeypatch, mode):
     assert again.token_ids == g.token_ids
 
 
+def _make_counting(model):
+    """The tiny model's one layer adds nothing (zero output projections) and its head predicts
+    token + 1 (the embedding shifted by one row): it continues 1, 2, 3, ..."""
+    model.layers[0].o_proj.zero_()
+    model.layers[0].down_proj.zero_()
+    model.lm_head = torch.roll(model.embed_tokens, 1, 0).contiguous()
+    return model
+
+
+def counting_model(device="cpu"):
+    return _make_counting(tiny_llama(device, num_layers=1))
+
+
 def _speculative(model, prompts, n, sampling, k=3, backend="loomnb-cpu"):
     from loomnb.models.speculative import SpeculativeRunner
 
@@ -230,10 +243,7 @@ def test_chain_speculative_is_reproducible_and_accepts_drafts():
     token + 1 (its lm_head the embedding shifted by one row) continues 1, 2, 3, ...: the n-gram
     drafts are its own continuation and sampling at T = 0.2 accepts them; a seed repeats the
     tokens, another changes them."""
-    counter = tiny_llama(num_layers=1)
-    counter.layers[0].o_proj.zero_()
-    counter.layers[0].down_proj.zero_()
-    counter.lm_head = torch.roll(counter.embed_tokens, 1, 0).contiguous()
+    counter = counting_model()
     hot = _speculative(counter, [[1, 2, 3, 4, 5, 6, 1, 2]], 6,
                        SamplingParams(temperature=0.2, seed=1))
     assert hot.token_ids == [[3, 4, 5, 6, 7, 8]]
@@ -287,9 +297,7 @@ def test_speculative_sampling_penalises_each_position_with_the_drafts_before_it(
     assert st.output_counts[0, 7] == 1 and st.output_counts[0, 5] == 3
     assert st.output_counts[1, 9] == 1 and int(st.output_counts.sum()) == 5
 
-    counter.layers[0].o_proj.zero_()
-    counter.layers[0].down_proj.zero_()
-    counter.lm_head = torch.roll(counter.embed_tokens, 1, 0).contiguous()
+    _make_counting(counter)
     prompts = [[1, 2, 3, 4, 5, 6, 1, 2], [5, 6, 5, 6, 5]]
     hot = SamplingParams(temperature=0.2, seed=1, frequency_penalty=0.1)
     plain = counter.new_runner("loomnb-cpu", 16).generate(prompts, 6, sampling=hot)
@@ -308,10 +316,7 @@ def test_speculative_processed_logprobs_are_the_verifiers():
     tokens dropped)."""
     import dataclasses
 
-    counter = tiny_llama(num_layers=1)
-    counter.layers[0].o_proj.zero_()
-    counter.layers[0].down_proj.zero_()
-    counter.lm_head = torch.roll(counter.embed_tokens, 1, 0).contiguous()
+    counter = counting_model()
     prompts = [[1, 2, 3, 4, 5, 6, 1, 2], [5, 6, 5, 6, 5]]
     raw = SamplingParams(temperature=0.5, top_k=8, seed=3, presence_penalty=0.2)
     pro = dataclasses.replace(raw, logprobs_mode="processed_logprobs")
@@ -352,10 +357,7 @@ def test_chain_speculative_on_the_gpu_graphed_and_eager():
     the same tokens (1 -> 2 -> 3 ...), accepting drafts."""
     from loomnb.models.speculative import SpeculativeRunner
 
-    counter = tiny_llama("cuda", num_layers=1)
-    counter.layers[0].o_proj.zero_()
-    counter.layers[0].down_proj.zero_()
-    counter.lm_head = torch.roll(counter.embed_tokens, 1, 0).contiguous()
+    counter = counting_model("cuda")
     outs = []
     for graph in (True, False):
         runner = SpeculativeRunner(counter, get_backend("loomnb-cuda", "cuda"), 16)
