@@ -352,9 +352,12 @@ def test_speculation_verifies_against_the_samplers_distribution(k, p, mp, t):
 
 
 @pytest.mark.gpu
-def test_chain_speculative_on_the_gpu_graphed_and_eager():
+@pytest.mark.parametrize("extra", [{}, dict(frequency_penalty=0.1, presence_penalty=0.1,
+                                            logprobs_mode="processed_logprobs")])
+def test_chain_speculative_on_the_gpu_graphed_and_eager(extra):
     """loomnb-cuda: the counting model's speculative sampling, CUDA-graphed and eager, gives
-    the same tokens (1 -> 2 -> 3 ...), accepting drafts."""
+    the same tokens (1 -> 2 -> 3 ...) and logprobs, accepting drafts; with penalties and
+    processed logprobs too (the graph's warm-up neither draws nor counts)."""
     from loomnb.models.speculative import SpeculativeRunner
 
     counter = counting_model("cuda")
@@ -362,8 +365,11 @@ def test_chain_speculative_on_the_gpu_graphed_and_eager():
     for graph in (True, False):
         runner = SpeculativeRunner(counter, get_backend("loomnb-cuda", "cuda"), 16)
         outs.append(runner.generate_speculative(
-            [[1, 2, 3, 4, 5, 6, 1, 2]], 6, num_speculative_tokens=3, prompt_lookup_min=1,
-            prompt_lookup_max=2, cuda_graph=graph, logprobs=True,
-            sampling=SamplingParams(temperature=0.2, seed=1)))
-    assert outs[0].token_ids == outs[1].token_ids == [[3, 4, 5, 6, 7, 8]]
+            [[1, 2, 3, 4, 5, 6, 1, 2], [5, 6, 5, 6, 5]], 6, num_speculative_tokens=3,
+            prompt_lookup_min=1, prompt_lookup_max=2, cuda_graph=graph, logprobs=True,
+            sampling=SamplingParams(temperature=0.2, seed=1, **extra)))
+    assert outs[0].token_ids == outs[1].token_ids
+    assert outs[0].token_logprobs == outs[1].token_logprobs
+    if not extra:
+        assert outs[0].token_ids[0] == [3, 4, 5, 6, 7, 8]
     assert outs[0].num_accepted_tokens >= 3
