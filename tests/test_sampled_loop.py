@@ -215,17 +215,14 @@ def test_graphed_sampled_decode_equals_the_eager_padded_step(monkeypatch, mode):
     assert again.token_ids == g.token_ids
 
 
-def _make_counting(model):
-    """The tiny model's one layer adds nothing (zero output projections) and its head predicts
-    token + 1 (the embedding shifted by one row): it continues 1, 2, 3, ..."""
+def counting_model(device="cpu"):
+    """A tiny model whose one layer adds nothing (zero output projections) and whose head
+    predicts token + 1 (the embedding shifted by one row): it continues 1, 2, 3, ..."""
+    model = tiny_llama(device, num_layers=1)
     model.layers[0].o_proj.zero_()
     model.layers[0].down_proj.zero_()
     model.lm_head = torch.roll(model.embed_tokens, 1, 0).contiguous()
     return model
-
-
-def counting_model(device="cpu"):
-    return _make_counting(tiny_llama(device, num_layers=1))
 
 
 def _speculative(model, prompts, n, sampling, k=3, backend="loomnb-cpu"):
@@ -277,7 +274,7 @@ def test_speculative_sampling_penalises_each_position_with_the_drafts_before_it(
     st.output_counts[0, 5] = 2
     logits = torch.randn(2 * (k + 1), V, generator=torch.Generator().manual_seed(3))
     drafts = torch.tensor([7, 5, -1, 9, 9, 4], dtype=torch.int32)
-    counter = tiny_llama(num_layers=1)
+    counter = counting_model()
     ps = _Pass(SpeculativeRunner(counter, LoomnbCpuOps(), 16), torch.zeros(2, 4, dtype=torch.int32),
                k, False, 0, sampler=st)
     got = st.penalized_pass_logits(LoomnbCpuOps(), logits, ps.row_seq, ps.pos_rows,
@@ -297,7 +294,6 @@ def test_speculative_sampling_penalises_each_position_with_the_drafts_before_it(
     assert st.output_counts[0, 7] == 1 and st.output_counts[0, 5] == 3
     assert st.output_counts[1, 9] == 1 and int(st.output_counts.sum()) == 5
 
-    _make_counting(counter)
     prompts = [[1, 2, 3, 4, 5, 6, 1, 2], [5, 6, 5, 6, 5]]
     hot = SamplingParams(temperature=0.2, seed=1, frequency_penalty=0.1)
     plain = counter.new_runner("loomnb-cpu", 16).generate(prompts, 6, sampling=hot)

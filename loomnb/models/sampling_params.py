@@ -145,7 +145,6 @@ class SamplerState:
         self._penalties = (torch.full((rows,), p.repetition_penalty, **full),
                            torch.full((rows,), p.frequency_penalty, **full),
                            torch.full((rows,), p.presence_penalty, **full))
-        self._one = torch.ones(rows, 1, dtype=torch.int32, device=dev)
 
     def load(self, prompt_token_ids: list[list[int]]) -> None:
         """Reset the state for these prompts (one row each, the rest padding): their prompt
@@ -190,7 +189,7 @@ class SamplerState:
                                                    p.min_p, self.seeds[rows], self.offset)
         ids = ids.to(torch.long)
         if p.penalized:
-            counts.scatter_add_(1, ids.view(-1, 1), self._one[rows])
+            self.count(ids.view(-1, 1), rows)
         if p.logprobs_mode == "processed_logprobs":
             logits = ops.top_k_top_p_mask_logits(x, p.top_k, p.top_p, p.temperature, p.min_p)
         lp, rank = ops.selected_token_logprob_rank(logits, ids)
@@ -227,11 +226,11 @@ class SamplerState:
                              pres)
         return x
 
-    def count(self, token_ids) -> None:
-        """``output_counts[s, t] += 1`` for every token ``t >= 0`` of row ``s`` of
-        ``token_ids`` ``[rows, m]`` (int32 or int64; ``< 0``: padding)."""
-        self.output_counts.scatter_add_(1, token_ids.clamp(min=0).long(),
-                                        (token_ids >= 0).to(torch.int32))
+    def count(self, token_ids, rows: slice = slice(None)) -> None:
+        """``output_counts[rows][s, t] += 1`` for every token ``t >= 0`` of row ``s`` of
+        ``token_ids`` ``[n, m]`` (int32 or int64; ``< 0``: padding)."""
+        self.output_counts[rows].scatter_add_(1, token_ids.clamp(min=0).long(),
+                                              (token_ids >= 0).to(torch.int32))
 
     def target_probs(self, logits):
         """The target distribution speculative sampling verifies drafts against (vLLM's

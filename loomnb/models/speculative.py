@@ -242,7 +242,8 @@ class _Pass:
         emitted tokens compacted as ``greedy_verify`` compacts them, the offset advanced."""
         r, R, k, st = self.runner, self.num_seqs, self.k, self.sampler
         n_tok = R * (k + 1)
-        lps = None  # the emitted tokens' logprobs, when not those of the raw logits
+        lps = None  # the emitted tokens' logprob and rank, when the sampler gave them
+        lp_logits = logits  # else what they are computed on
         if k == 0:
             ids, lp, rank = st.sample(r.ops, logits)  # in the sampler's logprobs mode
             rows = ids.view(R, 1).to(torch.int32)
@@ -260,9 +261,7 @@ class _Pass:
             if st.params.penalized:
                 st.count(rows)  # the emitted tokens (-1 padding after them)
             if self.logprobs and st.params.logprobs_mode == "processed_logprobs":
-                toks = rows.reshape(-1).clamp(min=0).to(torch.long)
-                lps = r.ops.selected_token_logprob_rank(
-                    st.target_logits(x, probs.view(n_tok, -1)), toks)
+                lp_logits = st.target_logits(x, probs.view(n_tok, -1))
         st.advance()
         self.cu_s[1:] = torch.cumsum(num, 0)
         valid = self.j.view(1, -1) < num.view(-1, 1)
@@ -276,7 +275,8 @@ class _Pass:
             self.tops = (top.indices, top.values)
         if self.logprobs:  # each row's emitted token (padding rows: token 0, never read)
             toks = rows.reshape(-1).clamp(min=0).to(torch.long)
-            self.lps = lps if lps is not None else r.ops.selected_token_logprob_rank(logits, toks)
+            self.lps = lps if lps is not None else r.ops.selected_token_logprob_rank(lp_logits,
+                                                                                     toks)
 
     def _step(self):
         """The pass on the device: eager, or the graph (captured at its first use, on the inputs

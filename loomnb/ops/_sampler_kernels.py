@@ -162,7 +162,8 @@ def _request_key(sd, so, seed_val, off_val, per_row_seed, row):
 @device
 def _row_config(tk, tp, tt, tmp, row, k_val, p_val, t_val, mp_val, V, logits_sample):
     """``(k, p, T, min_p, use_k, use_p, use_min_p, greedy)`` of ``row``: its entries of the
-    per-row arrays (length 0: the scalar), ``T = 1`` unless the kernel samples logits."""
+    per-row arrays (length 0: the scalar), ``T = 1`` unless the kernel samples or processes
+    logits (``logits_sample``)."""
     k = int64(tk[row]) if tk.shape[0] > 0 else k_val
     p = tp[row] if tp.shape[0] > 0 else p_val
     t = tt[row] if tt.shape[0] > 0 else t_val
@@ -176,10 +177,16 @@ def _row_config(tk, tp, tt, tmp, row, k_val, p_val, t_val, mp_val, V, logits_sam
     return k, p, t, mpv, use_k, use_p, use_mp, greedy
 
 
+def output_storage(spec):
+    """The storage dtype of a row kernel's ``y``: fp32 for renorm and processed logits, the
+    logits' for a mask."""
+    return "float32" if spec.output in ("renorm", "processed") else storage_dtype(spec.kind)
+
+
 def _row_argtypes(spec):
     st = storage_dtype(spec.kind)
     xs = "uint32" if spec.layout == "vec" else st
-    y = "float32" if spec.output in ("renorm", "processed") else st
+    y = output_storage(spec)
     i64, f32 = L.i64(0).numba_type, L.f32(0).numba_type
     return (L.array_type(xs, 2), L.array_type("int32", 1), L.array_type(y, 2),
             L.array_type("int32", 1), L.array_type("float32", 1), L.array_type("float32", 1),

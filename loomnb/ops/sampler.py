@@ -61,7 +61,6 @@ import dataclasses
 import numpy as np
 
 from .. import _adapter as ad
-from .._dtypes import storage_dtype
 from ..checks import check_kind, check_ndim, check_same_device, check_shape
 from . import _contract as C
 from . import _launch as L
@@ -322,9 +321,7 @@ def _launch_rows(op, spec, xa, ids, y, k, p, t, mp, seed, offset, generator, str
     spec = dataclasses.replace(spec, layout="vec" if vec else "scalar")
     params = [L.array(xa, words=vec),
               L.array(ids) if ids is not None else L.absent("int32", 1),
-              L.array(y) if y is not None else L.absent(
-                  "float32" if spec.output in ("renorm", "processed") else
-                  storage_dtype(xa.kind), 2),
+              L.array(y) if y is not None else L.absent(K.output_storage(spec), 2),
               L.array(ka) if ka is not None else L.absent("int32", 1),
               L.array(pa) if pa is not None else L.absent("float32", 1),
               L.array(ta) if ta is not None else L.absent("float32", 1),
@@ -337,7 +334,8 @@ def _launch_rows(op, spec, xa, ids, y, k, p, t, mp, seed, offset, generator, str
               and 0 < kv <= min(V - 1, CAP))
     mp_on = ma is not None or mv > 0.0
     # the processed logits have no split kernels (a diagnostic output, once a step at most)
-    S = _splits(R, V, xa.kind, vec, finish, mp_on) if spec.output != "processed" else 0
+    split_ok = vec and spec.output != "processed"
+    S = _splits(R, V, xa.kind, split_ok, finish, mp_on)
     if S > 0:
         k_on = ka is not None or 0 < kv < V
         p_on = pa is not None or pv < 1.0
@@ -346,8 +344,7 @@ def _launch_rows(op, spec, xa, ids, y, k, p, t, mp, seed, offset, generator, str
         return
     twin = SplitSpec(spec.kind, spec.source, spec.output)  # what a call of fewer rows launches
     warm = (lambda: [(split_kernel, twin, K.argtypes(twin))]
-            + _row_siblings(dataclasses.replace(spec, layout="vec"))[1:]) if (
-        vec and spec.output != "processed") else None
+            + _row_siblings(dataclasses.replace(spec, layout="vec"))[1:]) if split_ok else None
     params += [L.absent("int64", 2), L.absent("uint64", 2), L.absent("int32", 1)]
     L.launch(row_kernel, spec, R, _threads(V), params, like=xa, stream=stream, key=key, warm=warm)
 
