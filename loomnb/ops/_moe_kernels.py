@@ -54,7 +54,7 @@ from ._activation_kernels import expf
 from ._fp8 import clamp_fp8, div_rn, scale_from_amax
 from ._reduce import (FULL_MASK, REDUCE_SCRATCH, block_scan, fadd, fmax_nan, fmaxf,
                       group_max_u64, group_reduce, group_top2_u64, key_index, key_value,
-                      lane_broadcast, mul_rn, order_key, umax)
+                      last_block, lane_broadcast, mul_rn, order_key, umax)
 from ._vector import CODECS, load_u32x4, store_u32x4, unit_io
 
 KINDS = ("bf16", "f16", "f32")
@@ -441,15 +441,8 @@ def align_kernel(spec):
             while e < E:
                 counts[c * E + e] = cnt[e]
                 e += nt
-            cuda.threadfence()
-            cuda.syncthreads()
-            if tid == 0:
-                nb = uint32(cuda.gridDim.x)
-                last[0] = 1 if cuda.atomic.inc(counters, 0, nb - uint32(1)) == nb - uint32(1) else 0
-            cuda.syncthreads()
-            if last[0] == 0:
+            if not last_block(counters, 0, cuda.gridDim.x, last):
                 return
-            cuda.threadfence()
             e = tid
             while e < E:
                 cnt[e] = int32(column_sum(counts, e, E, int64(cuda.gridDim.x)))

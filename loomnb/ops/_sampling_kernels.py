@@ -41,7 +41,7 @@ from .._dtypes import storage_dtype
 from .._numba_internals import device
 from ..layouts.dtypes import bits_f32
 from . import _launch as L
-from ._reduce import REDUCE_SCRATCH, block_max, block_sum64, fmaxf
+from ._reduce import REDUCE_SCRATCH, block_max, block_sum64, fmaxf, last_block
 from ._sampling_rows import (IDENTITY, MAX_LOGPROBS, NO_INDEX, block_state_fn, logprob_of, merge,
                              push, row_walker, stepper, take_top_k)
 from ._vector import load_u32x4, store_u32x4
@@ -162,13 +162,8 @@ def logprob_kernel(spec):
                 if TOPK:
                     for j in range(k):
                         ws_f[rec, 4 + j], ws_i[rec, 4 + j] = topv[j], topi[j]
-                cuda.threadfence()
-                ticket = cuda.atomic.inc(counters, row, uint32(splits - 1))
-                last[0] = 1 if ticket == splits - 1 else 0
-            cuda.syncthreads()
-            if last[0] == 0:
+            if not last_block(counters, row, splits, last):
                 return
-            cuda.threadfence()
             # the last block of the row: fold every split's record, in split order per thread
             st = IDENTITY
             for j in range(K):
