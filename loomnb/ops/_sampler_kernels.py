@@ -754,10 +754,10 @@ def _split_max(best, part, counters, row, S, flag, scr_u):
 def _split_select(hist, st, stf, row, h, level, target, mass, lo, above, res, scr_i, cols):
     """The last block's step of a split level over ``hist[row, h]`` (see the block comment):
     ``cols = (prefix, mask, base, done, count)`` columns of ``st`` (count: the weight at or
-    above the found bin); ``target`` (top-k: ``k``; top-p: ``top_p``, times the total mass at level 0, kept in ``stf``); ``lo``: the threshold when no
-    key is eligible. Thread ``t`` owns ``SPLIT_BINS / blockDim`` consecutive bins from the
-    top: it reads (and zeroes) them at once, one block scan of the threads' sums gives each bin
-    the weight above it."""
+    above the found bin); ``target`` (top-k: ``k``; top-p: ``top_p``, times the total mass at
+    level 0, kept in ``stf``); ``lo``: the threshold when no key is eligible. Thread ``t``
+    owns ``SPLIT_BINS / blockDim`` consecutive bins from the top: it reads (and zeroes) them at
+    once, one block scan of the threads' sums gives each bin the weight above it."""
     tid = cuda.threadIdx.x
     bpt = SPLIT_BINS // cuda.blockDim.x
     c_pre, c_mask, c_base, c_done, c_count = cols
